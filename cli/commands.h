@@ -1,0 +1,20 @@
+// The `zeal` program's subcommands: one file each.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace zeal::cli {
+
+// Each registers its subcommand on `app`; the returned function runs it once parsed and returns
+// the process exit status.
+using Runner = std::function<int()>;
+Runner add_config_command(CLI::App& app);
+Runner add_env_command(CLI::App& app);
+
+// Adds --mixed_precision, --zero_stage, … to `cmd`, storing given values in `values`.
+void add_override_flags(CLI::App& cmd, std::map<std::string, std::string>& values);
+
+// Prints a zeal::Error or ConfigError the way every subcommand does and returns exit status 2.
+int report_error(const std::exception& e);
+
+}  // namespace zeal::cli

@@ -1,0 +1,28 @@
+// zeal: the command-line program. `zeal --help` lists the subcommands.
+#include <cstdio>
+#include <map>
+
+#include "cli/commands.h"
+#include "engine/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"zeal: ZeRO-sharded training for LibTorch, configured like Accelerate and DeepSpeed"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", ZEAL_VERSION_STRING);
+  std::map<std::string, zeal::cli::Runner> runners;
+  runners["config"] = zeal::cli::add_config_command(app);
+  runners["env"] = zeal::cli::add_env_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::fprintf(stderr, "zeal: error: %s\nRun with --help for usage.\n", e.what());
+    return 2;
+  }
+  try {
+    for (auto* sub : app.get_subcommands()) return runners.at(sub->get_name())();
+  } catch (const std::exception& e) {
+    return zeal::cli::report_error(e);
+  }
+  return 2;
+}

@@ -1,0 +1,351 @@
+// Derivations, contradictions and "auto" resolution.
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "engine/config/config.h"
+#include "engine/config/finalize.h"
+#include "engine/error.h"
+
+namespace zeal {
+namespace {
+
+int rank_of(const Origin& o) { return static_cast<int>(o.kind); }
+
+bool explicitly_set(const Config& c, const std::string& key) {
+  auto it = c.origins.find(key);
+  return it != c.origins.end() && it->second.kind != Origin::Kind::kDefault;
+}
+
+Origin origin_of(const Config& c, const std::string& key) {
+  auto it = c.origins.find(key);
+  return it == c.origins.end() ? Origin{} : it->second;
+}
+
+// "key (from where)": how a problem names the values involved.
+std::string named(const Config& c, const std::string& key) {
+  return fmt::format("{} (from {})", key, origin_of(c, key).describe());
+}
+
+void derive(Config& c, const std::string& key, const std::string& why) {
+  if (!explicitly_set(c, key)) c.origins[key] = {Origin::Kind::kDefault, why};
+}
+
+}  // namespace
+
+std::string Origin::describe() const {
+  switch (kind) {
+    case Kind::kDefault: return where.empty() ? "default" : "default: " + where;
+    case Kind::kFile: return "file " + where;
+    case Kind::kEnvironment: return "environment " + where;
+    case Kind::kFlag: return "flag " + where;
+    case Kind::kProgram: return "program " + where;
+  }
+  return "?";
+}
+
+bool Config::operator==(const Config& o) const {
+  return launch == o.launch && mixed_precision == o.mixed_precision && zero == o.zero && aio == o.aio &&
+         fp16 == o.fp16 && bf16_enabled == o.bf16_enabled && train_batch_size == o.train_batch_size &&
+         train_micro_batch_size_per_gpu == o.train_micro_batch_size_per_gpu &&
+         gradient_accumulation_steps == o.gradient_accumulation_steps &&
+         gradient_clipping == o.gradient_clipping && optimizer == o.optimizer && scheduler == o.scheduler &&
+         steps_per_print == o.steps_per_print && wall_clock_breakdown == o.wall_clock_breakdown;
+}
+
+Precision Config::precision() const {
+  if (mixed_precision == "fp16") return Precision::kFp16;
+  if (mixed_precision == "bf16") return Precision::kBf16;
+  return Precision::kFp32;
+}
+
+namespace config_detail {
+
+void finalize(Config& c, std::vector<std::string>& errors) {
+  // overlap_comm: DeepSpeed turns it on by default for stage 3 only.
+  if (!explicitly_set(c, "zero_optimization.overlap_comm")) {
+    c.zero.overlap_comm = c.zero.stage == 3;
+    c.origins["zero_optimization.overlap_comm"] = {Origin::Kind::kDefault, "true for stage 3, else false"};
+  }
+
+  // mixed_precision and the fp16/bf16 sections describe one thing; the later source wins, two
+  // disagreeing values from sources of the same rank are an error.
+  const bool mp_set = explicitly_set(c, "mixed_precision");
+  const bool fp16_set = explicitly_set(c, "fp16.enabled") && !c.fp16.enabled.is_auto;
+  const bool bf16_set = explicitly_set(c, "bf16.enabled") && !c.bf16_enabled.is_auto;
+  if (fp16_set && bf16_set && c.fp16.enabled.value && c.bf16_enabled.value) {
+    errors.push_back(fmt::format("fp16.enabled and bf16.enabled are both true ({}; {}): choose one",
+                                 origin_of(c, "fp16.enabled").describe(), origin_of(c, "bf16.enabled").describe()));
+    return;
+  }
+  // What the sections claim: a precision when one is enabled; "no" when the section of the
+  // precision that mixed_precision names is explicitly off; nothing when they are silent.
+  std::string from_sections;
+  int sections_rank = -1;
+  const char* claim_key = "fp16.enabled";
+  if (fp16_set && c.fp16.enabled.value) {
+    from_sections = "fp16";
+  } else if (bf16_set && c.bf16_enabled.value) {
+    from_sections = "bf16", claim_key = "bf16.enabled";
+  } else if (fp16_set && c.mixed_precision == "fp16") {
+    from_sections = "no";
+  } else if (bf16_set && c.mixed_precision == "bf16") {
+    from_sections = "no", claim_key = "bf16.enabled";
+  }
+  if (!from_sections.empty()) sections_rank = rank_of(origin_of(c, claim_key));
+  if (mp_set && sections_rank >= 0 && from_sections != c.mixed_precision) {
+    const int mp_rank = rank_of(origin_of(c, "mixed_precision"));
+    if (mp_rank == sections_rank) {
+      const char* section = claim_key;
+      errors.push_back(fmt::format("mixed_precision is {} ({}) but {} says {} ({}): make them agree",
+                                   c.mixed_precision, origin_of(c, "mixed_precision").describe(), section,
+                                   from_sections, origin_of(c, section).describe()));
+      return;
+    }
+    if (sections_rank > mp_rank) {
+      c.mixed_precision = from_sections;
+      c.origins["mixed_precision"] = {Origin::Kind::kDefault, "from the fp16/bf16 sections"};
+    }
+  } else if (!mp_set && sections_rank >= 0 && from_sections != "no") {
+    c.mixed_precision = from_sections;
+    c.origins["mixed_precision"] = {Origin::Kind::kDefault, "from the fp16/bf16 sections"};
+  }
+  // The sections follow mixed_precision, except where they are "auto" (resolved later from it).
+  auto follow = [&](Auto<bool>& enabled, const char* key, const char* precision) {
+    if (enabled.is_auto) return;
+    const bool want = c.mixed_precision == precision;
+    if (want != enabled.value || !explicitly_set(c, key)) {
+      enabled.value = want;
+      c.origins[key] = {Origin::Kind::kDefault, "from mixed_precision"};
+    }
+  };
+  follow(c.fp16.enabled, "fp16.enabled", "fp16");
+  follow(c.bf16_enabled, "bf16.enabled", "bf16");
+
+  // Batch sizes: DeepSpeed derives the third of train_batch_size = micro × accumulation × world.
+  const int64_t world = c.launch.num_processes;
+  auto known = [&](const Auto<int64_t>& a) { return !a.is_auto && a.value > 0; };
+  auto& tbs = c.train_batch_size;
+  auto& micro = c.train_micro_batch_size_per_gpu;
+  auto& accum = c.gradient_accumulation_steps;
+  const bool accum_given = explicitly_set(c, "gradient_accumulation_steps") && known(accum);
+  if (known(tbs) && known(micro) && !accum_given && !accum.is_auto &&
+      !explicitly_set(c, "gradient_accumulation_steps")) {
+    if (tbs.value % (micro.value * world) == 0) {
+      accum.value = tbs.value / (micro.value * world);
+      derive(c, "gradient_accumulation_steps", "train_batch_size / (micro batch × world)");
+    }
+  } else if (known(tbs) && !micro.is_auto && micro.value == 0 && known(accum)) {
+    if (tbs.value % (accum.value * world) == 0) {
+      micro.value = tbs.value / (accum.value * world);
+      derive(c, "train_micro_batch_size_per_gpu", "train_batch_size / (accumulation × world)");
+    }
+  } else if (!explicitly_set(c, "train_batch_size") && known(micro) && known(accum)) {
+    tbs.value = micro.value * accum.value * world;
+    derive(c, "train_batch_size", "micro batch × accumulation × world");
+  }
+}
+
+}  // namespace config_detail
+
+std::vector<std::string> Config::validate() const {
+  std::vector<std::string> errors, warnings;
+  const auto& z = zero;
+  const std::string stage_text = named(*this, "zero_optimization.stage");
+
+  if (z.offload_param.device != OffloadDevice::kNone && z.stage < 3)
+    errors.push_back(fmt::format("{}: parameter offload needs ZeRO stage 3, but stage is {} — {}",
+                                 named(*this, "zero_optimization.offload_param.device"), z.stage, stage_text));
+  if (z.offload_optimizer.device != OffloadDevice::kNone && z.stage == 0)
+    errors.push_back(fmt::format("{}: optimizer offload needs ZeRO stage 1, 2 or 3, but stage is 0 — {}",
+                                 named(*this, "zero_optimization.offload_optimizer.device"), stage_text));
+  if (z.offload_optimizer.device == OffloadDevice::kNvme && z.stage != 3 && z.stage != 0)
+    errors.push_back(fmt::format("{}: optimizer offload to nvme needs ZeRO stage 3 (ZeRO-Infinity), but stage is {}",
+                                 named(*this, "zero_optimization.offload_optimizer.device"), z.stage));
+  if (z.offload_optimizer.device == OffloadDevice::kNvme && z.offload_optimizer.nvme_path.empty())
+    errors.push_back(fmt::format("{}: device nvme needs zero_optimization.offload_optimizer.nvme_path "
+                                 "(deepspeed_config.offload_optimizer_nvme_path)",
+                                 named(*this, "zero_optimization.offload_optimizer.device")));
+  if (z.offload_param.device == OffloadDevice::kNvme && z.offload_param.nvme_path.empty())
+    errors.push_back(fmt::format("{}: device nvme needs zero_optimization.offload_param.nvme_path "
+                                 "(deepspeed_config.offload_param_nvme_path)",
+                                 named(*this, "zero_optimization.offload_param.device")));
+  if (aio.block_size % 4096 != 0)
+    errors.push_back(fmt::format("{}: {} is not a multiple of 4096 (O_DIRECT needs whole 4 KiB blocks)",
+                                 named(*this, "aio.block_size"), aio.block_size));
+  if (!fp16.enabled.is_auto && !bf16_enabled.is_auto && fp16.enabled.value && bf16_enabled.value)
+    errors.push_back("fp16.enabled and bf16.enabled are both true: choose one");
+  if (z.hybrid_shard && z.stage < 2)
+    errors.push_back(fmt::format("{}: hybrid sharding needs ZeRO stage 2 or 3, but stage is {}",
+                                 named(*this, "zero_optimization.hybrid_shard"), z.stage));
+
+  // Launch geometry.
+  if (launch.machine_rank >= launch.num_machines)
+    errors.push_back(fmt::format("{}: {} is out of range for num_machines {} (ranks are 0..{})",
+                                 named(*this, "machine_rank"), launch.machine_rank, launch.num_machines,
+                                 launch.num_machines - 1));
+  if (launch.num_processes % launch.num_machines != 0)
+    errors.push_back(fmt::format("{}: {} processes cannot be split evenly over {} machines",
+                                 named(*this, "num_processes"), launch.num_processes, launch.num_machines));
+  if (launch.distributed_type == "NO" && launch.num_processes > 1 && explicitly_set(*this, "distributed_type"))
+    errors.push_back(fmt::format("{}: NO runs a single process, but num_processes is {} ({}); use MULTI_CPU, "
+                                 "MULTI_GPU, DEEPSPEED or FSDP",
+                                 named(*this, "distributed_type"), launch.num_processes,
+                                 origin_of(*this, "num_processes").describe()));
+
+  // Batch identity.
+  const int64_t world = launch.num_processes;
+  const auto& tbs = train_batch_size;
+  const auto& micro = train_micro_batch_size_per_gpu;
+  const auto& accum = gradient_accumulation_steps;
+  if (!tbs.is_auto && !micro.is_auto && !accum.is_auto && tbs.value > 0 && micro.value > 0 &&
+      tbs.value != micro.value * accum.value * world)
+    errors.push_back(fmt::format(
+        "train_batch_size {} ≠ train_micro_batch_size_per_gpu {} × gradient_accumulation_steps {} × world size {} "
+        "= {} ({}; {}; {})",
+        tbs.value, micro.value, accum.value, world, micro.value * accum.value * world,
+        origin_of(*this, "train_batch_size").describe(), origin_of(*this, "train_micro_batch_size_per_gpu").describe(),
+        origin_of(*this, "gradient_accumulation_steps").describe()));
+  else if (!tbs.is_auto && tbs.value > 0 && (micro.value == 0 || accum.value == 0) && !micro.is_auto &&
+           !accum.is_auto && tbs.value % world != 0)
+    errors.push_back(fmt::format("{}: {} is not divisible by the world size {}", named(*this, "train_batch_size"),
+                                 tbs.value, world));
+
+  // Optimizer and schedule.
+  const bool sgd = optimizer.type == "SGD";
+  if (sgd && explicitly_set(*this, "optimizer.params.betas"))
+    errors.push_back(fmt::format("{}: SGD has no betas; they belong to Adam and AdamW",
+                                 named(*this, "optimizer.params.betas")));
+  if (!sgd && explicitly_set(*this, "optimizer.params.momentum"))
+    errors.push_back(fmt::format("{}: momentum belongs to SGD; {} uses betas",
+                                 named(*this, "optimizer.params.momentum"),
+                                 optimizer.type.empty() ? std::string("the optimizer") : optimizer.type));
+  if (sgd && optimizer.nesterov && optimizer.momentum <= 0.0)
+    errors.push_back(fmt::format("{}: Nesterov momentum needs optimizer.params.momentum > 0",
+                                 named(*this, "optimizer.params.nesterov")));
+  for (const char* section : {"optimizer", "scheduler"}) {
+    const std::string& type = std::string(section) == "optimizer" ? optimizer.type : scheduler.type;
+    if (!type.empty()) continue;
+    const std::string prefix = std::string(section) + ".params.";
+    for (const auto& [key, origin] : origins) {
+      if (key.rfind(prefix, 0) == 0 && origin.kind != Origin::Kind::kDefault) {
+        errors.push_back(fmt::format("{}: {} params are given but {}.type is missing ({})", named(*this, key),
+                                     section, section,
+                                     std::string(section) == "optimizer" ? "Adam, AdamW or SGD"
+                                                                         : "WarmupLR, WarmupDecayLR or WarmupCosineLR"));
+        break;
+      }
+    }
+  }
+  const auto& s = scheduler;
+  if ((s.type == "WarmupDecayLR" || s.type == "WarmupCosineLR") && !s.total_num_steps.is_auto &&
+      s.total_num_steps.value <= 0)
+    errors.push_back(fmt::format("{}: {} needs scheduler.params.total_num_steps > 0", named(*this, "scheduler.type"),
+                                 s.type));
+  if (!s.type.empty() && !s.total_num_steps.is_auto && !s.warmup_num_steps.is_auto && s.total_num_steps.value > 0 &&
+      s.total_num_steps.value < s.warmup_num_steps.value)
+    errors.push_back(fmt::format("{}: total_num_steps {} is shorter than warmup_num_steps {}",
+                                 named(*this, "scheduler.params.total_num_steps"), s.total_num_steps.value,
+                                 s.warmup_num_steps.value));
+  if (!s.warmup_min_lr.is_auto && !s.warmup_max_lr.is_auto && s.warmup_min_lr.value > s.warmup_max_lr.value)
+    errors.push_back(fmt::format("{}: warmup_min_lr {} is above warmup_max_lr {}",
+                                 named(*this, "scheduler.params.warmup_min_lr"), s.warmup_min_lr.value,
+                                 s.warmup_max_lr.value));
+  if (fp16.loss_scale == 0.0 && fp16.min_loss_scale > std::ldexp(1.0, static_cast<int>(fp16.initial_scale_power)))
+    errors.push_back(fmt::format("{}: min_loss_scale {} is above the initial scale 2^{}",
+                                 named(*this, "fp16.min_loss_scale"), fp16.min_loss_scale, fp16.initial_scale_power));
+
+  if (!errors.empty()) throw ConfigError(errors);
+
+  // Accepted, but worth saying.
+  for (const char* key : {"zero_optimization.zero3_init_flag", "zero_optimization.stage3_prefetch_bucket_size",
+                          "zero_optimization.stage3_param_persistence_threshold",
+                          "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
+                          "zero_optimization.stage3_gather_16bit_weights_on_model_save"}) {
+    if (z.stage < 3 && explicitly_set(*this, key))
+      warnings.push_back(fmt::format("{} applies to stage 3 only; stage is {}", named(*this, key), z.stage));
+  }
+  if (z.hybrid_shard && launch.num_machines == 1)
+    warnings.push_back("hybrid sharding on one machine is the same as full sharding");
+  if (launch.num_machines > 1 && (launch.main_process_ip == "127.0.0.1" || launch.main_process_ip == "localhost"))
+    warnings.push_back(fmt::format("num_machines is {} but main_process_ip is {}: other machines cannot reach it",
+                                   launch.num_machines, launch.main_process_ip));
+  if (z.offload_optimizer.pin_memory && z.offload_optimizer.device == OffloadDevice::kNone)
+    warnings.push_back("zero_optimization.offload_optimizer.pin_memory has no effect without offload");
+  return warnings;
+}
+
+void Config::resolve_auto(const ProgramValues& v) {
+  std::vector<std::string> errors;
+  auto program = [](const std::string& what) { return Origin{Origin::Kind::kProgram, what}; };
+  auto missing = [&](const std::string& key, const std::string& what) {
+    errors.push_back(fmt::format("{} is \"auto\" ({}) but the program passed no {}", key,
+                                 origin_of(*this, key).describe(), what));
+  };
+  if (v.world_size) {
+    launch.num_processes = *v.world_size;
+    origins["num_processes"] = program("world size");
+  }
+  const int64_t world = launch.num_processes;
+  auto& micro = train_micro_batch_size_per_gpu;
+  if (micro.is_auto || micro.value == 0) {
+    if (v.micro_batch_size) {
+      micro = {*v.micro_batch_size, false};
+      origins["train_micro_batch_size_per_gpu"] = program("data loader batch size");
+    } else if (micro.is_auto) {
+      missing("train_micro_batch_size_per_gpu", "micro batch size");
+    }
+  }
+  auto& accum = gradient_accumulation_steps;
+  if (accum.is_auto) {
+    if (!train_batch_size.is_auto && train_batch_size.value > 0 && micro.value > 0) {
+      accum = {train_batch_size.value / (micro.value * world), false};
+    } else {
+      accum = {1, false};
+    }
+    origins["gradient_accumulation_steps"] = program("derived");
+  }
+  if (train_batch_size.is_auto || (train_batch_size.value == 0 && micro.value > 0)) {
+    train_batch_size = {micro.value * accum.value * world, false};
+    origins["train_batch_size"] = program("micro batch × accumulation × world");
+  }
+  if (gradient_clipping.is_auto) gradient_clipping = {1.0, false};
+  if (fp16.enabled.is_auto) fp16.enabled = {mixed_precision == "fp16", false};
+  if (bf16_enabled.is_auto) bf16_enabled = {mixed_precision == "bf16", false};
+  auto from_hidden = [&](Auto<int64_t>& a, const char* key, double factor) {
+    if (!a.is_auto) return;
+    if (!v.hidden_size) return missing(key, "hidden size");
+    a = {static_cast<int64_t>(factor * static_cast<double>(*v.hidden_size)), false};
+    origins[key] = program("from the hidden size");
+  };
+  const double h = v.hidden_size ? static_cast<double>(*v.hidden_size) : 0.0;
+  from_hidden(zero.reduce_bucket_size, "zero_optimization.reduce_bucket_size", h);
+  from_hidden(zero.stage3_prefetch_bucket_size, "zero_optimization.stage3_prefetch_bucket_size", 0.9 * h);
+  from_hidden(zero.stage3_param_persistence_threshold, "zero_optimization.stage3_param_persistence_threshold", 10.0);
+  auto from_value = [&](auto& a, const char* key, const auto& given, const char* what) {
+    if (!a.is_auto) return;
+    if (!given) return missing(key, what);
+    a.value = *given;
+    a.is_auto = false;
+    origins[key] = program(what);
+  };
+  from_value(optimizer.lr, "optimizer.params.lr", v.lr, "learning rate");
+  if (optimizer.betas.is_auto) optimizer.betas = {{0.9, 0.999}, false};
+  if (optimizer.eps.is_auto) optimizer.eps = {1e-8, false};
+  if (optimizer.weight_decay.is_auto) optimizer.weight_decay = {0.0, false};
+  if (scheduler.warmup_min_lr.is_auto) scheduler.warmup_min_lr = {0.0, false};
+  if (scheduler.warmup_max_lr.is_auto) {
+    std::optional<double> lr = v.lr ? v.lr : std::optional<double>(optimizer.lr.value);
+    from_value(scheduler.warmup_max_lr, "scheduler.params.warmup_max_lr", lr, "learning rate");
+  }
+  from_value(scheduler.warmup_num_steps, "scheduler.params.warmup_num_steps", v.warmup_num_steps,
+             "number of warm-up steps");
+  from_value(scheduler.total_num_steps, "scheduler.params.total_num_steps", v.total_num_steps,
+             "number of training steps");
+  if (!errors.empty()) throw ConfigError(errors);
+  config_detail::finalize(*this, errors);
+  if (!errors.empty()) throw ConfigError(errors);
+  validate();
+}
+
+}  // namespace zeal

@@ -1,0 +1,150 @@
+// Malformed configurations: each must raise ConfigError whose message names the key, the place
+// and what is allowed (never a crash, never a silent default).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "engine/config/config.h"
+#include "engine/error.h"
+
+namespace {
+
+struct BadConfig {
+  const char* name;
+  const char* yaml;
+  std::vector<std::string> expected;  // substrings the message must contain
+};
+
+const BadConfig kCases[] = {
+    {"UnknownTopLevelKeySuggestsTheClosest", "num_proceses: 2\n",
+     {"bad.yaml:1:1", "num_proceses", "unknown key", "did you mean num_processes?"}},
+    {"UnknownNestedKeySuggestsTheClosest", "zero_optimization:\n  stag: 2\n",
+     {"bad.yaml:2:3", "zero_optimization.stag", "did you mean zero_optimization.stage?"}},
+    {"KeyUnderTheWrongSectionNamesItsHome", "stage: 2\n",
+     {"bad.yaml:1:1", "did you mean zero_optimization.stage?", "belongs under zero_optimization"}},
+    {"UnknownDeepSpeedInlineKey", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stag: 2\n",
+     {"bad.yaml:3:3", "deepspeed_config.zero_stag", "did you mean deepspeed_config.zero_stage?"}},
+    {"UnknownFsdpKey", "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_stratgy: FULL_SHARD\n",
+     {"bad.yaml:3:3", "fsdp_config.fsdp_sharding_stratgy", "did you mean fsdp_config.fsdp_sharding_strategy?"}},
+    {"StageOutOfRange", "zero_optimization:\n  stage: 4\n",
+     {"bad.yaml:2:10", "zero_optimization.stage", "an integer from 0 to 3", "\"4\""}},
+    {"StageNotANumber", "zero_optimization:\n  stage: three\n", {"bad.yaml:2:10", "\"three\""}},
+    {"InlineStageOutOfRangeNamesBothSpellings", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 5\n",
+     {"bad.yaml:3:15", "deepspeed_config.zero_stage (sets zero_optimization.stage)", "from 0 to 3"}},
+    {"BoolNotABool", "use_cpu: maybe\n", {"bad.yaml:1:10", "use_cpu", "expected true or false", "\"maybe\""}},
+    {"MixedPrecisionFp8IsNotSupported", "mixed_precision: fp8\n",
+     {"mixed_precision", "expected one of no, fp16, bf16", "\"fp8\""}},
+    {"OffloadDeviceUnknown", "zero_optimization:\n  stage: 2\n  offload_optimizer:\n    device: gpu\n",
+     {"bad.yaml:4:13", "zero_optimization.offload_optimizer.device", "none, cpu, nvme"}},
+    {"NegativeClipping", "gradient_clipping: -1\n", {"gradient_clipping", "a number ≥ 0", "\"-1\""}},
+    {"ZeroAccumulation", "gradient_accumulation_steps: 0\n", {"gradient_accumulation_steps", "an integer ≥ 1"}},
+    {"PortOutOfRange", "main_process_port: 70000\n", {"main_process_port", "from 1 to 65535"}},
+    {"BetasOfWrongLength", "optimizer:\n  type: Adam\n  params:\n    betas: [0.9]\n",
+     {"bad.yaml:4:12", "optimizer.params.betas", "two numbers"}},
+    {"EpsMustBePositive", "optimizer:\n  type: Adam\n  params:\n    eps: 0\n",
+     {"optimizer.params.eps", "a number > 0"}},
+    {"MappingWhereANumberBelongs", "num_processes:\n  a: 1\n", {"num_processes", "got a mapping"}},
+    {"SectionGivenAsAScalar", "zero_optimization: 3\n", {"zero_optimization", "expected a mapping"}},
+    {"YamlSyntaxErrorHasItsLine", "zero_optimization:\n  stage: [1, 2\nnum_processes: 2\n",
+     {"bad.yaml:", "YAML syntax error"}},
+    {"DuplicateKey", "num_processes: 2\nnum_processes: 4\n", {"bad.yaml:2:1", "num_processes", "appears twice"}},
+    {"ParamOffloadBelowStage3", "zero_optimization:\n  stage: 2\n  offload_param:\n    device: cpu\n",
+     {"zero_optimization.offload_param.device", "needs ZeRO stage 3", "stage is 2", "bad.yaml:4:13"}},
+    {"OptimizerOffloadAtStage0", "zero_optimization:\n  offload_optimizer:\n    device: cpu\n",
+     {"zero_optimization.offload_optimizer.device", "needs ZeRO stage 1, 2 or 3"}},
+    {"OptimizerNvmeWithoutPath", "zero_optimization:\n  stage: 3\n  offload_optimizer:\n    device: nvme\n",
+     {"zero_optimization.offload_optimizer.device", "needs zero_optimization.offload_optimizer.nvme_path"}},
+    {"ParamNvmeWithoutPathInAccelerateFile",
+     "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n  offload_param_device: nvme\n",
+     {"zero_optimization.offload_param.device", "deepspeed_config.offload_param_nvme_path", "bad.yaml:4:25"}},
+    {"OptimizerNvmeBelowStage3", "zero_optimization:\n  stage: 2\n  offload_optimizer:\n    device: nvme\n    nvme_path: /x\n",
+     {"nvme needs ZeRO stage 3"}},
+    {"Fp16AndBf16BothOn", "fp16:\n  enabled: true\nbf16:\n  enabled: true\n", {"fp16.enabled and bf16.enabled are both true"}},
+    {"AioBlockSizeNotAMultipleOf4096", "aio:\n  block_size: 1000\n",
+     {"aio.block_size", "not a multiple of 4096", "bad.yaml:2:15"}},
+    {"BatchSizeIdentityBroken",
+     "num_processes: 2\ndistributed_type: MULTI_CPU\ntrain_batch_size: 30\ntrain_micro_batch_size_per_gpu: 4\n"
+     "gradient_accumulation_steps: 2\n",
+     {"train_batch_size 30 ≠ train_micro_batch_size_per_gpu 4 × gradient_accumulation_steps 2 × world size 2 = 16"}},
+    {"MixedPrecisionDisagreesWithSection", "mixed_precision: fp16\nbf16:\n  enabled: true\n",
+     {"mixed_precision is fp16", "bf16.enabled says bf16", "make them agree"}},
+    {"MachineRankOutOfRange", "num_machines: 2\nmachine_rank: 2\nnum_processes: 2\ndistributed_type: MULTI_CPU\n",
+     {"machine_rank", "out of range for num_machines 2"}},
+    {"ProcessesNotDivisibleOverMachines", "num_machines: 2\nnum_processes: 3\ndistributed_type: MULTI_CPU\n",
+     {"num_processes", "cannot be split evenly over 2 machines"}},
+    {"NoDistributionWithSeveralProcesses", "distributed_type: 'NO'\nnum_processes: 4\n",
+     {"distributed_type", "NO runs a single process"}},
+    {"DeepSpeedFileWithInlineKeys",
+     "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n  zero_stage: 2\n",
+     {"deepspeed_config.zero_stage", "cannot be set inline together with deepspeed_config_file"}},
+    {"DeepSpeedFileMissing", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: /nonexistent/ds.json\n",
+     {"deepspeed_config.deepspeed_config_file", "no such file: /nonexistent/ds.json"}},
+    {"UnsupportedOptimizerType", "optimizer:\n  type: Lion\n", {"optimizer.type", "expected one of Adam, AdamW, SGD"}},
+    {"SgdWithBetas", "optimizer:\n  type: SGD\n  params:\n    betas: [0.9, 0.99]\n", {"SGD has no betas"}},
+    {"AdamWithMomentum", "optimizer:\n  type: Adam\n  params:\n    momentum: 0.9\n", {"momentum belongs to SGD"}},
+    {"DecayScheduleWithoutTotalSteps", "scheduler:\n  type: WarmupDecayLR\n",
+     {"scheduler.type", "needs scheduler.params.total_num_steps > 0"}},
+    {"OptimizerParamsWithoutType", "optimizer:\n  params:\n    lr: 0.1\n", {"optimizer.type is missing"}},
+    {"MegatronIsNotSupported", "megatron_lm_config:\n  megatron_lm_tp_degree: 2\n", {"megatron_lm_config", "not supported"}},
+    {"SageMakerIsNotSupported", "compute_environment: AMAZON_SAGEMAKER\n", {"compute_environment", "only LOCAL_MACHINE"}},
+    {"HybridShardBelowStage2", "zero_optimization:\n  stage: 1\n  hybrid_shard: true\n",
+     {"hybrid sharding needs ZeRO stage 2 or 3"}},
+    {"FsdpStrategyUnknown", "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HALF_SHARD\n",
+     {"fsdp_config.fsdp_sharding_strategy", "expected one of FULL_SHARD", "\"HALF_SHARD\""}},
+    {"FileMustBeAMapping", "- a\n- b\n", {"bad.yaml:1:1", "must hold a mapping"}},
+    {"DistributedTypeUnknown", "distributed_type: TPU\n", {"distributed_type", "expected one of NO, MULTI_CPU"}},
+    {"WarmupMinAboveMax", "scheduler:\n  type: WarmupLR\n  params:\n    warmup_min_lr: 0.1\n    warmup_max_lr: 0.01\n",
+     {"warmup_min_lr 0.1 is above warmup_max_lr 0.01"}},
+    {"WarmupTypeUnknown", "scheduler:\n  type: WarmupLR\n  params:\n    warmup_type: cubic\n",
+     {"scheduler.params.warmup_type", "expected one of log, linear"}},
+    {"MinLossScaleAboveInitialScale", "fp16:\n  enabled: true\n  initial_scale_power: 2\n  min_loss_scale: 8\n",
+     {"fp16.min_loss_scale", "above the initial scale 2^2"}},
+};
+
+class MalformedConfig : public ::testing::TestWithParam<BadConfig> {};
+
+TEST_P(MalformedConfig, IsRejectedWithAMessageNamingTheProblem) {
+  const BadConfig& c = GetParam();
+  try {
+    zeal::Config::parse(c.yaml, "bad.yaml");
+    FAIL() << "accepted:\n" << c.yaml;
+  } catch (const zeal::ConfigError& e) {
+    const std::string msg = e.what();
+    for (const auto& want : c.expected) EXPECT_NE(msg.find(want), std::string::npos) << "missing '" << want << "' in:\n" << msg;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Config, MalformedConfig, ::testing::ValuesIn(kCases),
+                         [](const ::testing::TestParamInfo<BadConfig>& info) { return std::string(info.param.name); });
+
+TEST(MalformedConfig, EveryProblemInAFileIsReportedAtOnce) {
+  try {
+    zeal::Config::parse("num_proceses: 2\nzero_optimization:\n  stage: 9\nuse_cpu: perhaps\n", "bad.yaml");
+    FAIL();
+  } catch (const zeal::ConfigError& e) {
+    EXPECT_EQ(e.problems().size(), 3u) << e.what();
+  }
+}
+
+TEST(MalformedConfig, MissingFileIsNamed) {
+  try {
+    zeal::Config::load("/nonexistent/zeal.yaml", false);
+    FAIL();
+  } catch (const zeal::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/zeal.yaml: no such config file"), std::string::npos);
+  }
+}
+
+TEST(MalformedConfig, UnknownOverrideKeyIsNamed) {
+  zeal::Config c = zeal::Config::defaults(false);
+  try {
+    c.set("zero_optimization.stag", "2", {zeal::Origin::Kind::kFlag, "--set"});
+    FAIL();
+  } catch (const zeal::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("did you mean zero_optimization.stage?"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(c.zero.stage, 0) << "a rejected override leaves the config as it was";
+}
+
+}  // namespace
