@@ -27,6 +27,12 @@ std::string location(const std::string& file, const YAML::Node& n) {
   return fmt::format("{}:{}:{}", file, m.line + 1, m.column + 1);
 }
 
+std::string join_keys(const std::vector<std::string>& keys) {
+  std::string out;
+  for (const auto& k : keys) out += (out.empty() ? "" : ", ") + k;
+  return out;
+}
+
 bool is_empty(const YAML::Node& n) { return n.IsNull() || (n.IsMap() && n.size() == 0); }
 
 std::string upper(std::string s) {
@@ -265,19 +271,15 @@ class Loader {
         c_.notes.push_back(fmt::format("{}: deepspeed_config.{}: zeal launch starts every machine's ranks "
                                        "itself; recorded, not used", location(file, kv.first), key));
       } else {
-        std::string best;
-        size_t best_d = 1000;
-        for (const auto& [name, target] : deepspeed_inline_keys()) {
-          size_t d = 0;
-          // A cheap distance: the suggestion engine of the schema works on canonical keys only.
-          for (size_t i = 0; i < std::max(name.size(), key.size()); ++i)
-            d += (i >= name.size() || i >= key.size() || name[i] != key[i]);
-          if (d < best_d) best_d = d, best = name;
-        }
+        std::vector<std::string> names;
+        for (const auto& [name, target] : deepspeed_inline_keys()) names.push_back(name);
+        names.push_back("deepspeed_config_file");
+        const std::string best = cd::closest(names, key);
         std::string hint = cd::find_field(key) || cd::is_section(key)
                                ? fmt::format("DeepSpeed keys go in a file named by deepspeed_config_file or at "
                                              "the top level, not inside deepspeed_config")
-                               : fmt::format("did you mean deepspeed_config.{}?", best);
+                           : best.empty() ? "valid keys: " + join_keys(names)
+                                          : fmt::format("did you mean deepspeed_config.{}?", best);
         error(location(file, kv.first), "deepspeed_config." + key, "unknown key; " + hint);
       }
     }
@@ -398,15 +400,12 @@ class Loader {
             "fsdp_sharding_strategy", "fsdp_offload_params", "fsdp_auto_wrap_policy",
             "fsdp_transformer_layer_cls_to_wrap", "fsdp_backward_prefetch", "fsdp_state_dict_type",
             "fsdp_cpu_ram_efficient_loading", "fsdp_forward_prefetch", "fsdp_sync_module_states",
-            "fsdp_use_orig_params", "fsdp_activation_checkpointing", "fsdp_min_num_params"};
-        std::string best = known.front();
-        size_t best_common = 0;
-        for (const auto& k : known) {
-          size_t common = 0;
-          while (common < k.size() && common < key.size() && k[common] == key[common]) ++common;
-          if (common > best_common) best_common = common, best = k;
-        }
-        error(location(file, kv.first), shown, fmt::format("unknown key; did you mean fsdp_config.{}?", best));
+            "fsdp_use_orig_params", "fsdp_activation_checkpointing", "fsdp_min_num_params",
+            "fsdp_backward_prefetch_policy", "fsdp_version", "fsdp_reshard_after_forward"};
+        const std::string best = cd::closest(known, key);
+        error(location(file, kv.first), shown,
+              best.empty() ? "unknown key; valid keys: " + join_keys(known)
+                           : fmt::format("unknown key; did you mean fsdp_config.{}?", best));
       }
     }
     if (!strategy_given && !c_.origins.count("zero_optimization.stage")) {

@@ -501,6 +501,16 @@ const std::string* not_applicable_reason(const std::string& key) {
   return it == m.end() ? nullptr : &it->second;
 }
 
+std::string closest(const std::vector<std::string>& candidates, const std::string& word) {
+  std::string best;
+  size_t best_d = std::string::npos;
+  for (const auto& c : candidates) {
+    const size_t d = edit_distance(word, c);
+    if (d < best_d) best_d = d, best = c;
+  }
+  return best_d <= std::max<size_t>(2, word.size() / 3) ? best : std::string();
+}
+
 std::string suggest(const std::string& section, const std::string& unknown) {
   // Same name elsewhere: the user put a key under the wrong section.
   for (const auto& f : fields()) {
@@ -511,20 +521,13 @@ std::string suggest(const std::string& section, const std::string& unknown) {
                                                 parent.empty() ? std::string("the top level") : parent);
     }
   }
-  std::string best;
-  size_t best_d = std::string::npos;
-  auto consider = [&](const std::string& cand) {
-    size_t d = edit_distance(unknown, cand);
-    if (d < best_d) best_d = d, best = cand;
-  };
-  for (const auto& k : keys_under(section)) consider(k);
+  std::vector<std::string> candidates = keys_under(section);
   if (section.empty()) {
-    for (const char* k : {"deepspeed_config", "fsdp_config", "megatron_lm_config", "dynamo_backend"}) consider(k);
+    for (const char* k : {"deepspeed_config", "fsdp_config", "megatron_lm_config", "dynamo_backend"})
+      candidates.push_back(k);
   }
-  const size_t limit = std::max<size_t>(2, unknown.size() / 3);
-  if (!best.empty() && best_d <= limit) {
+  if (std::string best = closest(candidates, unknown); !best.empty())
     return fmt::format("did you mean {}?", section.empty() ? best : section + "." + best);
-  }
   std::vector<std::string> valid = keys_under(section);
   return "valid keys here: " + join(valid, ", ");
 }

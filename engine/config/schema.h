@@ -35,6 +35,9 @@ std::vector<std::string> keys_under(const std::string& section);
 // DeepSpeed and Accelerate keys that zeal accepts but does not use: key → why.
 const std::string* not_applicable_reason(const std::string& key);
 
+// The candidate nearest to `word` by edit distance, or "" when none is near enough to suggest.
+std::string closest(const std::vector<std::string>& candidates, const std::string& word);
+
 // "did you mean" help for an unknown key at `section`.
 std::string suggest(const std::string& section, const std::string& unknown);
 
