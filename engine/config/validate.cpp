@@ -62,6 +62,19 @@ Precision Config::precision() const {
 namespace config_detail {
 
 void finalize(Config& c, std::vector<std::string>& errors) {
+  // A DeepSpeed file says nothing of distributed_type: infer it, as `deepspeed` itself would run.
+  if (!explicitly_set(c, "distributed_type")) {
+    if (c.zero.stage > 0) {
+      c.launch.distributed_type = "DEEPSPEED";
+      c.origins["distributed_type"] = {Origin::Kind::kDefault, "ZeRO stage > 0"};
+    } else if (c.launch.num_processes > 1) {
+      c.launch.distributed_type = c.launch.use_cpu ? "MULTI_CPU" : "MULTI_GPU";
+      c.origins["distributed_type"] = {Origin::Kind::kDefault, "several processes"};
+    } else {
+      c.launch.distributed_type = "NO";
+      c.origins["distributed_type"] = {Origin::Kind::kDefault, ""};
+    }
+  }
   // overlap_comm: DeepSpeed turns it on by default for stage 3 only.
   if (!explicitly_set(c, "zero_optimization.overlap_comm")) {
     c.zero.overlap_comm = c.zero.stage == 3;

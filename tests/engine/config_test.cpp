@@ -311,6 +311,17 @@ TEST(Config, ShowOutputLoadsBackToTheSameConfig) {
   }
 }
 
+TEST(Config, DeepSpeedOnlyFileInfersDistributedTypeAndRoundTrips) {
+  Config ds = Config::parse("num_processes: 4\nzero_optimization:\n  stage: 2\n", "ds.yaml");
+  EXPECT_EQ(ds.launch.distributed_type, "DEEPSPEED");
+  Config ddp = Config::parse("num_processes: 4\nuse_cpu: true\n", "ddp.yaml");
+  EXPECT_EQ(ddp.launch.distributed_type, "MULTI_CPU");
+  for (const Config* c : {&ds, &ddp}) {
+    Config back = Config::parse(c->to_yaml(true), "shown.yaml");
+    EXPECT_TRUE(back == *c) << c->to_yaml(true);
+  }
+}
+
 TEST(Config, ShowOutputRecordsEachOrigin) {
   Config c = Config::load((kRoot / "configs/zero2.yaml").string(), false);
   c.set("zero_stage", "1", {Origin::Kind::kFlag, "--zero_stage"});
