@@ -1,0 +1,58 @@
+// Fused Adam/AdamW over one flat fp32 partition on the CPU: one pass reads the fp32 master
+// weights, m, v and the gradient (fp32, bf16 or fp16), applies the loss scale's inverse, weight
+// decay and bias correction, and writes master, m, v and, in the same pass, an optional bf16/fp16
+// compute copy of the new weights. No LibTorch headers: raw pointers and sizes.
+//
+// Memory traffic per element: 12 bytes read + 12 written for master/m/v, plus the gradient read
+// (4 or 2 bytes) and the copy written (2 bytes) when present.
+//
+// Paths: scalar (the reference, always present), AVX2+FMA+F16C and AVX-512, chosen at run time.
+// All paths evaluate the same expression with the same roundings (fused multiply-adds in the
+// same places, correctly rounded sqrt and division), so they agree bit for bit.
+#pragma once
+
+#include <cstdint>
+
+namespace zeal::cpu {
+
+enum class DType { kFp32, kBf16, kFp16 };
+enum class Simd { kScalar, kAvx2, kAvx512 };
+
+struct AdamHyper {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  bool decoupled = true;   // AdamW: p -= lr·wd·p; Adam: g += wd·p
+  int64_t step = 1;        // 1 for the first step (bias correction)
+  float grad_scale = 1.0f; // gradients are multiplied by this (1 / loss scale)
+};
+
+struct AdamPartition {
+  float* master = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  const void* grad = nullptr;
+  DType grad_type = DType::kFp32;
+  void* copy = nullptr;  // optional compute copy of the updated master (bf16 or fp16), or null
+  DType copy_type = DType::kBf16;
+  int64_t n = 0;
+};
+
+// The widest path this CPU supports (AVX-512 needs avx512f+bw+vl; AVX2 needs avx2+fma+f16c).
+Simd best_simd();
+bool simd_supported(Simd s);
+const char* simd_name(Simd s);
+
+// One Adam step over the partition with the given path (which must be supported).
+void adam_step(const AdamHyper& h, const AdamPartition& p, Simd simd);
+inline void adam_step(const AdamHyper& h, const AdamPartition& p) { adam_step(h, p, best_simd()); }
+
+// Conversions with round-to-nearest-even, the scalar reference for the SIMD paths.
+uint16_t float_to_bf16(float f);
+float bf16_to_float(uint16_t b);
+uint16_t float_to_half(float f);
+float half_to_float(uint16_t h);
+
+}  // namespace zeal::cpu

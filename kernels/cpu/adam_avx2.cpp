@@ -1,0 +1,63 @@
+// The AVX2 + FMA + F16C path: 8 lanes. Compiled with -mavx2 -mfma -mf16c; called only when the
+// CPU has them.
+#include <immintrin.h>
+
+#include "kernels/cpu/adam_kernel.h"
+
+namespace zeal::cpu::detail {
+namespace {
+
+struct V8 {
+  __m256 x;
+  static V8 splat(float f) { return {_mm256_set1_ps(f)}; }
+  static V8 sub(V8 a, V8 b) { return {_mm256_sub_ps(a.x, b.x)}; }
+  static V8 mul(V8 a, V8 b) { return {_mm256_mul_ps(a.x, b.x)}; }
+  static V8 div(V8 a, V8 b) { return {_mm256_div_ps(a.x, b.x)}; }
+  static V8 fma(V8 a, V8 b, V8 c) { return {_mm256_fmadd_ps(a.x, b.x, c.x)}; }
+  static V8 sqrt(V8 a) { return {_mm256_sqrt_ps(a.x)}; }
+};
+
+inline __m256 load_grad(const AdamPartition& p, int64_t i) {
+  switch (p.grad_type) {
+    case DType::kBf16: {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p.grad) + i));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    case DType::kFp16:
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p.grad) + i)));
+    default: return _mm256_loadu_ps(static_cast<const float*>(p.grad) + i);
+  }
+}
+
+// Round to nearest even into bf16; NaN becomes a quiet NaN with its sign.
+inline __m128i to_bf16(__m256 w) {
+  const __m256i u = _mm256_castps_si256(w);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(w, w, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, nan, is_nan);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // 16-bit values in each 128-bit half
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+}  // namespace
+
+void adam_avx2(const AdamConstants& c, const AdamPartition& p) {
+  const int64_t vec_end = p.n - p.n % 8;
+  for (int64_t i = 0; i < vec_end; i += 8) {
+    V8 w{_mm256_loadu_ps(p.master + i)}, m{_mm256_loadu_ps(p.m + i)}, v{_mm256_loadu_ps(p.v + i)};
+    adam_lanes(c, w, m, v, V8{load_grad(p, i)});
+    _mm256_storeu_ps(p.master + i, w.x);
+    _mm256_storeu_ps(p.m + i, m.x);
+    _mm256_storeu_ps(p.v + i, v.x);
+    if (p.copy) {
+      __m128i* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p.copy) + i);
+      _mm_storeu_si128(out, p.copy_type == DType::kFp16 ? _mm256_cvtps_ph(w.x, _MM_FROUND_TO_NEAREST_INT)
+                                                        : to_bf16(w.x));
+    }
+  }
+  adam_scalar(c, p, vec_end);
+}
+
+}  // namespace zeal::cpu::detail

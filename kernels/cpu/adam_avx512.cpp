@@ -1,0 +1,59 @@
+// The AVX-512 path: 16 lanes. Compiled with -mavx512f -mavx512bw -mavx512vl; called only when
+// the CPU has them.
+#include <immintrin.h>
+
+#include "kernels/cpu/adam_kernel.h"
+
+namespace zeal::cpu::detail {
+namespace {
+
+struct V16 {
+  __m512 x;
+  static V16 splat(float f) { return {_mm512_set1_ps(f)}; }
+  static V16 sub(V16 a, V16 b) { return {_mm512_sub_ps(a.x, b.x)}; }
+  static V16 mul(V16 a, V16 b) { return {_mm512_mul_ps(a.x, b.x)}; }
+  static V16 div(V16 a, V16 b) { return {_mm512_div_ps(a.x, b.x)}; }
+  static V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.x, b.x, c.x)}; }
+  static V16 sqrt(V16 a) { return {_mm512_sqrt_ps(a.x)}; }
+};
+
+inline __m512 load_grad(const AdamPartition& p, int64_t i) {
+  const auto* half = reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p.grad) + i);
+  switch (p.grad_type) {
+    case DType::kBf16:
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(half)), 16));
+    case DType::kFp16: return _mm512_cvtph_ps(_mm256_loadu_si256(half));
+    default: return _mm512_loadu_ps(static_cast<const float*>(p.grad) + i);
+  }
+}
+
+inline __m256i to_bf16(__m512 w) {
+  const __m512i u = _mm512_castps_si512(w);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q), nan);
+  return _mm512_cvtepi32_epi16(r);
+}
+
+}  // namespace
+
+void adam_avx512(const AdamConstants& c, const AdamPartition& p) {
+  const int64_t vec_end = p.n - p.n % 16;
+  for (int64_t i = 0; i < vec_end; i += 16) {
+    V16 w{_mm512_loadu_ps(p.master + i)}, m{_mm512_loadu_ps(p.m + i)}, v{_mm512_loadu_ps(p.v + i)};
+    adam_lanes(c, w, m, v, V16{load_grad(p, i)});
+    _mm512_storeu_ps(p.master + i, w.x);
+    _mm512_storeu_ps(p.m + i, m.x);
+    _mm512_storeu_ps(p.v + i, v.x);
+    if (p.copy) {
+      __m256i* out = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.copy) + i);
+      _mm256_storeu_si256(out, p.copy_type == DType::kFp16
+                                   ? _mm512_cvtps_ph(w.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                   : to_bf16(w.x));
+    }
+  }
+  adam_scalar(c, p, vec_end);
+}
+
+}  // namespace zeal::cpu::detail
