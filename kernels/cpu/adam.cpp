@@ -5,6 +5,9 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
+#include <algorithm>
 
 #include "kernels/cpu/adam_kernel.h"
 
@@ -139,16 +142,40 @@ const char* simd_name(Simd s) {
   }
 }
 
-void adam_step(const AdamHyper& h, const AdamPartition& p, Simd simd) {
+AdamPartition slice(const AdamPartition& p, int64_t begin, int64_t end) {
+  AdamPartition s = p;
+  const size_t grad_bytes = p.grad_type == DType::kFp32 ? 4 : 2;
+  s.master = p.master + begin, s.m = p.m + begin, s.v = p.v + begin;
+  s.grad = static_cast<const char*>(p.grad) + begin * grad_bytes;
+  if (p.copy) s.copy = static_cast<uint16_t*>(p.copy) + begin;
+  s.n = end - begin;
+  return s;
+}
+
+void adam_step(const AdamHyper& h, const AdamPartition& p, Simd simd, int threads) {
   if (!simd_supported(simd)) throw std::invalid_argument(std::string("this CPU lacks ") + simd_name(simd));
   if (p.copy && p.copy_type == DType::kFp32)
     throw std::invalid_argument("the compute copy must be bf16 or fp16 (the master is already fp32)");
   const detail::AdamConstants c = detail::adam_constants(h);
-  switch (simd) {
-    case Simd::kAvx512: detail::adam_avx512(c, p); break;
-    case Simd::kAvx2: detail::adam_avx2(c, p); break;
-    default: detail::adam_scalar(c, p, 0);
+  auto run = [&c, simd](const AdamPartition& part) {
+    switch (simd) {
+      case Simd::kAvx512: detail::adam_avx512(c, part); break;
+      case Simd::kAvx2: detail::adam_avx2(c, part); break;
+      default: detail::adam_scalar(c, part, 0);
+    }
+  };
+  // Chunks are multiples of 64 elements (a cache line of every buffer), so threads never share one.
+  constexpr int64_t kAlign = 64;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, (p.n + kAlign - 1) / kAlign));
+  if (chunks == 1) return run(p);
+  const int64_t per = (p.n / chunks + kAlign - 1) / kAlign * kAlign;
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < chunks; ++t) {
+    const int64_t begin = std::min(p.n, t * per), end = std::min(p.n, (t + 1) * per);
+    if (begin < end) workers.emplace_back(run, slice(p, begin, end));
   }
+  run(slice(p, 0, std::min(p.n, per)));
+  for (auto& w : workers) w.join();
 }
 
 }  // namespace zeal::cpu

@@ -45,9 +45,13 @@ Simd best_simd();
 bool simd_supported(Simd s);
 const char* simd_name(Simd s);
 
-// One Adam step over the partition with the given path (which must be supported).
-void adam_step(const AdamHyper& h, const AdamPartition& p, Simd simd);
+// One Adam step over the partition with the given path (which must be supported), split over
+// `threads` threads in contiguous chunks (results do not depend on the thread count).
+void adam_step(const AdamHyper& h, const AdamPartition& p, Simd simd, int threads = 1);
 inline void adam_step(const AdamHyper& h, const AdamPartition& p) { adam_step(h, p, best_simd()); }
+
+// Elements [begin, end) of a partition, as a partition of its own.
+AdamPartition slice(const AdamPartition& p, int64_t begin, int64_t end);
 
 // Conversions with round-to-nearest-even, the scalar reference for the SIMD paths.
 uint16_t float_to_bf16(float f);

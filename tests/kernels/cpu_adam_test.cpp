@@ -237,3 +237,16 @@ TEST(CpuAdam, NonFiniteGradientPropagatesInEveryPosition) {
     }
   }
 }
+
+TEST(CpuAdam, ThreadCountDoesNotChangeTheResult) {
+  for (int threads : {2, 3, 8}) {
+    for (int64_t n : {int64_t{100}, int64_t{10007}, int64_t{100003}}) {
+      Data a = adam_test_data(n, 21), b = a;
+      adam_step(hyper(true, 2), partition(a, DType::kBf16, DType::kBf16, true), best_simd(), 1);
+      adam_step(hyper(true, 2), partition(b, DType::kBf16, DType::kBf16, true), best_simd(), threads);
+      ASSERT_EQ(0, std::memcmp(a.master.data(), b.master.data(), n * 4)) << threads << " threads, n=" << n;
+      ASSERT_EQ(0, std::memcmp(a.v.data(), b.v.data(), n * 4)) << threads << " threads, n=" << n;
+      ASSERT_EQ(0, std::memcmp(a.copy.data(), b.copy.data(), n * 2)) << threads << " threads, n=" << n;
+    }
+  }
+}
