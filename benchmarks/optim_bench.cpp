@@ -47,7 +47,7 @@ void floor_pass(float* master, const float* grad, float* m, float* v, int64_t n,
     }
   };
   std::vector<std::thread> w;
-  const int64_t per = (n / threads + 63) / 64 * 64;
+  const int64_t per = ((n + threads - 1) / threads + 63) / 64 * 64;  // chunks cover all n
   for (int t = 1; t < threads; ++t) w.emplace_back(run, std::min(n, t * per), std::min(n, (t + 1) * per));
   run(0, std::min(n, per));
   for (auto& x : w) x.join();

@@ -1,13 +1,13 @@
 // Dispatch, per-step constants, the scalar reference path and the reference conversions.
 #include "kernels/cpu/adam.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
-#include <algorithm>
 
 #include "kernels/cpu/adam_kernel.h"
 
@@ -168,7 +168,8 @@ void adam_step(const AdamHyper& h, const AdamPartition& p, Simd simd, int thread
   constexpr int64_t kAlign = 64;
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, (p.n + kAlign - 1) / kAlign));
   if (chunks == 1) return run(p);
-  const int64_t per = (p.n / chunks + kAlign - 1) / kAlign * kAlign;
+  // Each chunk holds ⌈n / chunks⌉ elements rounded up to kAlign, so the chunks cover all n.
+  const int64_t per = ((p.n + chunks - 1) / chunks + kAlign - 1) / kAlign * kAlign;
   std::vector<std::thread> workers;
   for (int64_t t = 1; t < chunks; ++t) {
     const int64_t begin = std::min(p.n, t * per), end = std::min(p.n, (t + 1) * per);

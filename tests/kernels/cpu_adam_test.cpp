@@ -240,7 +240,7 @@ TEST(CpuAdam, NonFiniteGradientPropagatesInEveryPosition) {
 
 TEST(CpuAdam, ThreadCountDoesNotChangeTheResult) {
   for (int threads : {2, 3, 8}) {
-    for (int64_t n : {int64_t{100}, int64_t{10007}, int64_t{100003}}) {
+    for (int64_t n : {int64_t{100}, int64_t{193}, int64_t{10007}, int64_t{100003}}) {
       Data a = adam_test_data(n, 21), b = a;
       adam_step(hyper(true, 2), partition(a, DType::kBf16, DType::kBf16, true), best_simd(), 1);
       adam_step(hyper(true, 2), partition(b, DType::kBf16, DType::kBf16, true), best_simd(), threads);
