@@ -12,6 +12,8 @@ int main(int argc, char** argv) {
   std::map<std::string, zeal::cli::Runner> runners;
   runners["config"] = zeal::cli::add_config_command(app);
   runners["env"] = zeal::cli::add_env_command(app);
+  runners["launch"] = zeal::cli::add_launch_command(app);
+  runners["test"] = zeal::cli::add_test_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,292 @@
+// The Gloo backend. ProcessGroupGloo does the transport; zeal adds uneven sizes, averaging,
+// deadlines with a hang report, and its own ring reduce-scatter: c10d's Gloo reduce_scatter is
+// an all-reduce of the whole buffer followed by a copy (twice the bytes of a ring, and it
+// ignores the reduce op).
+#define USE_C10D_GLOO 1
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <ATen/ATen.h>
+
+#include <condition_variable>
+#include <deque>
+#include <future>
+
+#include <fmt/format.h>
+
+#include "engine/comm/backends.h"
+#include "engine/comm/monitor.h"
+
+namespace zeal {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+  }
+  return "?";
+}
+
+namespace detail {
+namespace {
+
+std::string dtype_of(const at::Tensor& t) { return dtype_name(c10::toString(t.scalar_type())); }
+
+void divide(const at::Tensor& t, int world) {
+  if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+    t.div_(world, "trunc");
+  } else {
+    t.div_(world);
+  }
+}
+
+std::string explain(const std::string& what, std::chrono::milliseconds timeout) {
+  const std::string first = what.substr(0, what.find('\n'));
+  if (what.find("imed out") != std::string::npos) {
+    return fmt::format("timed out after {:g} s (comm_timeout) [{}]", timeout.count() / 1000.0, first);
+  }
+  if (what.find("losed by peer") != std::string::npos || what.find("reset by peer") != std::string::npos ||
+      what.find("Broken pipe") != std::string::npos) {
+    return fmt::format("a peer closed its connection: it exited or crashed [{}]", first);
+  }
+  return first;
+}
+
+// A collective in flight: c10d works to wait for, then a step that finishes it on this thread.
+class GlooWork final : public Work::Impl {
+ public:
+  GlooWork(Monitor* monitor, OpInfo info) : monitor_(monitor), info_(std::move(info)) {}
+
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::function<void()> finish;
+  std::shared_future<void> future;  // for work run on the communicator's ring thread
+
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+    try {
+      for (auto& w : works) {
+        if (!w->wait(monitor_->timeout())) throw std::runtime_error("Timed out");
+      }
+      if (future.valid()) {
+        if (future.wait_for(monitor_->timeout() + std::chrono::seconds(5)) != std::future_status::ready) {
+          throw std::runtime_error("Timed out waiting for the ring");
+        }
+        future.get();
+      }
+      if (finish) finish();
+      done_ = true;
+    } catch (const CommError&) {
+      done_ = true;
+      error_ = std::current_exception();
+      throw;
+    } catch (const std::exception& e) {
+      done_ = true;
+      try {
+        monitor_->fail(info_, explain(e.what(), monitor_->timeout()));
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+      std::rethrow_exception(error_);
+    }
+  }
+
+  bool done() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return true;
+    for (auto& w : works) {
+      if (!w->isCompleted()) return false;
+    }
+    return !future.valid() || future.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
+
+ private:
+  Monitor* monitor_;
+  OpInfo info_;
+  std::mutex mu_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world, std::chrono::milliseconds timeout,
+                   bool debug)
+      : rank_(rank), world_(world), monitor_(store, "zeal/comm/", rank, world, timeout, debug) {
+    auto options = c10d::ProcessGroupGloo::Options::create_default(timeout);
+    options->threads = 2;
+    pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("zeal/gloo", store), rank,
+                                                      world, options);
+    ring_thread_ = std::thread([this] { ring_loop(); });
+  }
+
+  ~GlooCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(ring_mu_);
+      ring_stop_ = true;
+    }
+    ring_cv_.notify_all();
+    ring_thread_.join();
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string backend() const override { return "gloo"; }
+  uint64_t sequence() const override { return monitor_.sequence(); }
+
+  Work all_gather(const at::Tensor& shard, const at::Tensor& output) override {
+    check(shard, "all_gather", "shard");
+    check(output, "all_gather", "output");
+    const int64_t s = shard_size(output.numel());
+    if (shard.numel() != s || shard.scalar_type() != output.scalar_type()) {
+      throw Error(fmt::format("all_gather: the shard has {} {} elements; an output of {} elements over {} ranks "
+                              "needs shards of {} {}",
+                              shard.numel(), dtype_of(shard), output.numel(), world_, s, dtype_of(output)));
+    }
+    auto work = start("all_gather", output.numel(), dtype_of(output));
+    at::Tensor out = output.view({-1});
+    at::Tensor in = shard.view({-1});
+    at::Tensor target = s * world_ == output.numel() ? out : at::empty({s * world_}, output.options());
+    work->works.push_back(pg_->_allgather_base(target, in));
+    if (!target.is_same(out)) work->finish = [target, out] { out.copy_(target.narrow(0, 0, out.numel())); };
+    return Work(work);
+  }
+
+  Work reduce_scatter(const at::Tensor& input, const at::Tensor& shard, ReduceOp op) override {
+    check(input, "reduce_scatter", "input");
+    check(shard, "reduce_scatter", "shard");
+    const int64_t s = shard_size(input.numel());
+    if (shard.numel() != s || shard.scalar_type() != input.scalar_type()) {
+      throw Error(fmt::format("reduce_scatter: the shard has {} {} elements; an input of {} elements over {} ranks "
+                              "needs shards of {} {}",
+                              shard.numel(), dtype_of(shard), input.numel(), world_, s, dtype_of(input)));
+    }
+    auto work = start(fmt::format("reduce_scatter({})", to_string(op)), input.numel(), dtype_of(input));
+    const uint64_t seq = monitor_.sequence();
+    // The ring reduces in a padded copy, so the caller's input stays as it was.
+    at::Tensor buf = at::zeros({s * world_}, input.options());
+    buf.narrow(0, 0, input.numel()).copy_(input.view({-1}));
+    at::Tensor out = shard.view({-1});
+    auto task = std::make_shared<std::packaged_task<void()>>([this, buf, out, s, seq, op] {
+      ring_reduce_scatter(buf, s, seq, op);
+      out.copy_(buf.narrow(0, static_cast<int64_t>(rank_) * s, s));
+      if (op == ReduceOp::kAvg) divide(out, world_);
+    });
+    work->future = task->get_future().share();
+    {
+      std::lock_guard<std::mutex> lock(ring_mu_);
+      ring_queue_.push_back([task] { (*task)(); });
+    }
+    ring_cv_.notify_one();
+    return Work(work);
+  }
+
+  Work all_reduce(const at::Tensor& tensor, ReduceOp op) override {
+    check(tensor, "all_reduce", "tensor");
+    auto work = start(fmt::format("all_reduce({})", to_string(op)), tensor.numel(), dtype_of(tensor));
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = op == ReduceOp::kMax ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+    opts.timeout = monitor_.timeout();
+    std::vector<at::Tensor> ts{tensor};
+    work->works.push_back(pg_->allreduce(ts, opts));
+    if (op == ReduceOp::kAvg) work->finish = [tensor, w = world_] { divide(tensor, w); };
+    return Work(work);
+  }
+
+  Work broadcast(const at::Tensor& tensor, int root) override {
+    check(tensor, "broadcast", "tensor");
+    if (root < 0 || root >= world_) throw Error(fmt::format("broadcast: root {} is not a rank of {}", root, world_));
+    auto work = start(fmt::format("broadcast(root {})", root), tensor.numel(), dtype_of(tensor));
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.timeout = monitor_.timeout();
+    std::vector<at::Tensor> ts{tensor};
+    work->works.push_back(pg_->broadcast(ts, opts));
+    return Work(work);
+  }
+
+  Work barrier() override {
+    auto work = start("barrier", 0, "none");
+    c10d::BarrierOptions opts;
+    opts.timeout = monitor_.timeout();
+    work->works.push_back(pg_->barrier(opts));
+    return Work(work);
+  }
+
+ private:
+  std::shared_ptr<GlooWork> start(std::string name, int64_t numel, std::string dtype) {
+    return std::make_shared<GlooWork>(&monitor_, monitor_.begin(std::move(name), numel, std::move(dtype)));
+  }
+
+  void check(const at::Tensor& t, const char* op, const char* what) const {
+    if (!t.defined()) throw Error(fmt::format("{}: the {} tensor is undefined", op, what));
+    if (!t.device().is_cpu()) {
+      throw Error(fmt::format("{}: the {} tensor is on {}; the gloo communicator takes CPU tensors (use the NCCL "
+                              "communicator for CUDA tensors)",
+                              op, what, t.device().str()));
+    }
+    if (!t.is_contiguous()) throw Error(fmt::format("{}: the {} tensor must be contiguous", op, what));
+  }
+
+  // Ring reduce-scatter over the world_ chunks of `buf` (each s elements): in step k, rank r
+  // sends chunk r-k-1 to r+1 and adds chunk r-k-2 received from r-1. After world-1 steps chunk r
+  // holds the sum over all ranks. Each rank sends and receives (world-1)·s elements.
+  void ring_reduce_scatter(const at::Tensor& buf, int64_t s, uint64_t seq, ReduceOp op) {
+    if (world_ == 1 || s == 0) return;
+    const int next = (rank_ + 1) % world_, prev = (rank_ + world_ - 1) % world_;
+    at::Tensor incoming = at::empty({s}, buf.options());
+    for (int k = 0; k + 1 < world_; ++k) {
+      const int64_t send_chunk = ((rank_ - k - 1) % world_ + world_) % world_;
+      const int64_t recv_chunk = ((rank_ - k - 2) % world_ + world_) % world_;
+      const int tag = static_cast<int>(((seq & 0xFFFFF) << 10) | static_cast<uint64_t>(k));
+      std::vector<at::Tensor> rx{incoming};
+      std::vector<at::Tensor> tx{buf.narrow(0, send_chunk * s, s)};
+      auto r = pg_->recv(rx, prev, tag);
+      auto w = pg_->send(tx, next, tag);
+      if (!r->wait(monitor_.timeout()) || !w->wait(monitor_.timeout())) throw std::runtime_error("Timed out");
+      at::Tensor mine = buf.narrow(0, recv_chunk * s, s);
+      if (op == ReduceOp::kMax) {
+        at::maximum_out(mine, mine, incoming);
+      } else {
+        mine.add_(incoming);
+      }
+    }
+  }
+
+  void ring_loop() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> lock(ring_mu_);
+        ring_cv_.wait(lock, [this] { return ring_stop_ || !ring_queue_.empty(); });
+        if (ring_queue_.empty()) return;
+        job = std::move(ring_queue_.front());
+        ring_queue_.pop_front();
+      }
+      job();  // a packaged_task: exceptions go to its future
+    }
+  }
+
+  int rank_, world_;
+  Monitor monitor_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  std::mutex ring_mu_;
+  std::condition_variable ring_cv_;
+  std::deque<std::function<void()>> ring_queue_;
+  bool ring_stop_ = false;
+  std::thread ring_thread_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
+                                                     std::chrono::milliseconds timeout, bool debug) {
+  return std::make_unique<GlooCommunicator>(store, rank, world, timeout, debug);
+}
+
+}  // namespace detail
+}  // namespace zeal

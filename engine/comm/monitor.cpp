@@ -1,0 +1,157 @@
+#include "engine/comm/monitor.h"
+
+#include <map>
+
+#include <fmt/format.h>
+
+namespace zeal::detail {
+namespace {
+
+constexpr auto kHeartbeat = std::chrono::milliseconds(100);
+
+std::string to_text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+std::vector<uint8_t> to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s;
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+}  // namespace
+
+std::string OpInfo::describe() const {
+  return fmt::format("collective #{} {} of {} {}", seq, name, numel, dtype);
+}
+
+std::string dtype_name(const std::string& n) {
+  static const std::map<std::string, std::string> names = {
+      {"Float", "float32"}, {"Double", "float64"}, {"Half", "float16"}, {"BFloat16", "bfloat16"},
+      {"Long", "int64"},    {"Int", "int32"},     {"Char", "int8"},     {"Byte", "uint8"},
+      {"Bool", "bool"}};
+  auto it = names.find(n);
+  return it == names.end() ? n : it->second;
+}
+
+Monitor::Monitor(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank, int world,
+                 std::chrono::milliseconds timeout, bool debug)
+    : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), world_(world), timeout_(timeout),
+      debug_(debug) {
+  current_ = "0 none";
+  store_->set(fmt::format("{}progress/{}", prefix_, rank_), to_bytes(current_));
+  thread_ = std::thread([this] { heartbeat(); });
+}
+
+Monitor::~Monitor() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void Monitor::heartbeat() {
+  std::string posted = current_;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    cv_.wait_for(lock, kHeartbeat);
+    if (stop_) break;
+    if (current_ == posted) continue;
+    posted = current_;
+    lock.unlock();
+    try {
+      store_->set(fmt::format("{}progress/{}", prefix_, rank_), to_bytes(posted));
+    } catch (const std::exception&) {
+      // The store is gone (rank 0 exited): the collective itself will report the failure.
+    }
+    lock.lock();
+  }
+}
+
+OpInfo Monitor::begin(std::string name, int64_t numel, std::string dtype) {
+  OpInfo op{std::move(name), seq_.load() + 1, numel, std::move(dtype)};
+  seq_.store(op.seq);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    current_ = fmt::format("{} {}", op.seq, op.describe());
+  }
+  if (debug_) compare(op);
+  return op;
+}
+
+void Monitor::compare(const OpInfo& op) {
+  const std::string mine = fmt::format("{} of {} {}", op.name, op.numel, op.dtype);
+  store_->set(fmt::format("{}debug/{}/{}", prefix_, op.seq, rank_), to_bytes(mine));
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_; ++r) keys.push_back(fmt::format("{}debug/{}/{}", prefix_, op.seq, r));
+  try {
+    store_->wait(keys, timeout_);
+  } catch (const std::exception& e) {
+    fail(op, std::string("ZEAL_DEBUG_COLLECTIVES check-in timed out: ") + e.what());
+  }
+  std::vector<std::string> lines;
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    const std::string theirs = to_text(store_->get(keys[r]));
+    if (theirs != mine) {
+      lines.push_back(fmt::format("rank {} called {}, rank {} called {}", rank_, mine, r, theirs));
+    }
+  }
+  if (op.seq > 2) {
+    // Every rank has posted op.seq - 1, so all have finished comparing op.seq - 2.
+    try {
+      store_->deleteKey(fmt::format("{}debug/{}/{}", prefix_, op.seq - 2, rank_));
+    } catch (const std::exception&) {
+    }
+  }
+  if (!lines.empty()) {
+    std::string msg = fmt::format("rank {}: collective #{} differs between ranks (ZEAL_DEBUG_COLLECTIVES):", rank_, op.seq);
+    for (const auto& l : lines) msg += "\n  " + l;
+    msg += "\nEvery rank must issue the same collectives, with the same sizes and dtypes, in the same order.";
+    throw CommError(msg, op.name, op.seq, {});
+  }
+}
+
+void Monitor::fail(const OpInfo& op, const std::string& cause) {
+  // Give the other ranks' heartbeats time to post where they are.
+  std::this_thread::sleep_for(3 * kHeartbeat);
+  std::vector<int> missing;
+  std::vector<std::string> where;
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    const std::string key = fmt::format("{}progress/{}", prefix_, r);
+    std::string state;
+    try {
+      if (store_->check({key})) state = to_text(store_->get(key));
+    } catch (const std::exception&) {
+      state.clear();
+    }
+    if (state.empty()) {
+      missing.push_back(r);
+      where.push_back(fmt::format("rank {}: unknown (the store is unreachable)", r));
+      continue;
+    }
+    const uint64_t their = std::stoull(state);
+    const std::string what = state.substr(state.find(' ') + 1);
+    if (their < op.seq) {
+      missing.push_back(r);
+      where.push_back(their == 0 ? fmt::format("rank {} has not entered any collective", r)
+                                 : fmt::format("rank {} is at {}", r, what));
+    } else if (their > op.seq) {
+      where.push_back(fmt::format("rank {} is already at {}", r, what));
+    }
+  }
+  std::string msg = fmt::format("rank {}: {} failed: {}", rank_, op.describe(), cause);
+  if (!missing.empty()) {
+    msg += fmt::format("\n  missing: rank{} {} {} not reached it", missing.size() == 1 ? "" : "s", rank_list(missing),
+                       missing.size() == 1 ? "has" : "have");
+  } else {
+    msg += "\n  every rank reached it (a rank may have died during the collective)";
+  }
+  for (const auto& w : where) msg += "\n  " + w;
+  msg += "\n  Every rank must issue the same collectives in the same order; run with ZEAL_DEBUG_COLLECTIVES=1 to check.";
+  throw CommError(msg, op.name, op.seq, missing);
+}
+
+}  // namespace zeal::detail

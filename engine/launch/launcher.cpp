@@ -1,0 +1,390 @@
+#include "engine/launch/launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <algorithm>
+#include <deque>
+#include <utility>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "engine/error.h"
+#include "engine/launch/binding.h"
+
+namespace zeal {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  const int saved = errno;
+  const unsigned char b = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = write(g_signal_pipe[1], &b, 1);
+  errno = saved;
+}
+
+void write_all(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    const ssize_t n = write(fd, s.data() + off, s.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    off += static_cast<size_t>(n);
+  }
+}
+
+struct Stream {
+  int fd = -1;     // read end of the rank's pipe, -1 once closed
+  int out_fd = 1;  // where its lines go
+  std::string partial;
+};
+
+struct Rank {
+  int local = 0, global = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;  // waitpid status once exited
+  Stream out, err;
+  std::deque<std::string> tail;
+};
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return fmt::format("exited with status {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return fmt::format("was killed by signal {} ({}){}", sig, sigabbrev_np(sig) ? sigabbrev_np(sig) : "?",
+                       WCOREDUMP(status) ? ", core dumped" : "");
+  }
+  return "ended";
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
+
+// Finds `program` the way execvp would, for an error before anything starts.
+bool program_exists(const std::string& program) {
+  if (program.find('/') != std::string::npos) return access(program.c_str(), X_OK) == 0;
+  const char* path = std::getenv("PATH");
+  std::string p = path ? path : "/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= p.size()) {
+    size_t end = p.find(':', start);
+    if (end == std::string::npos) end = p.size();
+    std::string dir = p.substr(start, end - start);
+    if (dir.empty()) dir = ".";
+    if (access((dir + "/" + program).c_str(), X_OK) == 0) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+class Group {
+ public:
+  explicit Group(const LaunchOptions& o) : o_(o) {}
+
+  int run() {
+    start_all();
+    loop();
+    return finish();
+  }
+
+ private:
+  void start_all() {
+    const int world = o_.nnodes * o_.nproc_per_node;
+    std::vector<CpuBinding> binding;
+    if (o_.bind) binding = plan_cpu_binding(o_.nproc_per_node);
+    std::string config_abs;
+    if (!o_.config_file.empty()) config_abs = std::filesystem::absolute(o_.config_file).string();
+    if (o_.verbose) {
+      std::fprintf(stderr, "zeal launch: node %d of %d, %d processes here, world size %d, master %s:%d\n",
+                   o_.node_rank, o_.nnodes, o_.nproc_per_node, world, o_.master_addr.c_str(), o_.master_port);
+    }
+    ranks_.resize(o_.nproc_per_node);
+    for (int l = 0; l < o_.nproc_per_node; ++l) {
+      Rank& r = ranks_[l];
+      r.local = l;
+      r.global = o_.node_rank * o_.nproc_per_node + l;
+      std::map<std::string, std::string> env = o_.env;
+      env["RANK"] = std::to_string(r.global);
+      env["LOCAL_RANK"] = std::to_string(l);
+      env["WORLD_SIZE"] = std::to_string(world);
+      env["LOCAL_WORLD_SIZE"] = std::to_string(o_.nproc_per_node);
+      env["NODE_RANK"] = std::to_string(o_.node_rank);
+      env["GROUP_RANK"] = std::to_string(o_.node_rank);
+      env["MASTER_ADDR"] = o_.master_addr;
+      env["MASTER_PORT"] = std::to_string(o_.master_port);
+      env["ZEAL_LAUNCH"] = "1";
+      env["PYTHONUNBUFFERED"] = "1";
+      if (!config_abs.empty()) env["ZEAL_CONFIG_FILE"] = config_abs;
+      const CpuBinding* b = l < static_cast<int>(binding.size()) ? &binding[l] : nullptr;
+      if (b) {
+        env["ZEAL_CPU_BIND"] = format_cpu_list(b->cpus);
+        if (!std::getenv("OMP_NUM_THREADS")) env["OMP_NUM_THREADS"] = std::to_string(b->cpus.size());
+      }
+      if (o_.verbose) {
+        std::fprintf(stderr, "zeal launch: rank %d (local %d): %s\n", r.global, l,
+                     b ? b->describe().c_str() : "not bound");
+      }
+      spawn(r, env, b);
+    }
+  }
+
+  void spawn(Rank& r, const std::map<std::string, std::string>& env, const CpuBinding* b) {
+    int out[2], err[2];
+    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) throw Error(std::string("pipe: ") + std::strerror(errno));
+    const pid_t pid = fork();
+    if (pid < 0) throw Error(std::string("fork: ") + std::strerror(errno));
+    if (pid == 0) {
+      setpgid(0, 0);
+      sigset_t none;
+      sigemptyset(&none);
+      sigprocmask(SIG_SETMASK, &none, nullptr);
+      signal(SIGINT, SIG_DFL);
+      signal(SIGTERM, SIG_DFL);
+      signal(SIGCHLD, SIG_DFL);
+      signal(SIGPIPE, SIG_DFL);
+      dup2(out[1], 1);
+      dup2(err[1], 2);
+      for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+      std::string why;
+      if (b && !apply_cpu_binding(*b, &why)) std::fprintf(stderr, "zeal launch: warning: %s\n", why.c_str());
+      std::vector<char*> argv;
+      for (const auto& a : o_.command) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execvp(argv[0], argv.data());
+      std::fprintf(stderr, "zeal launch: cannot run %s: %s\n", argv[0], std::strerror(errno));
+      _exit(127);
+    }
+    setpgid(pid, pid);  // also in the parent, so a signal sent right away reaches the group
+    close(out[1]);
+    close(err[1]);
+    fcntl(out[0], F_SETFL, O_NONBLOCK);
+    fcntl(err[0], F_SETFL, O_NONBLOCK);
+    r.pid = pid;
+    r.running = true;
+    r.out = {out[0], 1, {}};
+    r.err = {err[0], 2, {}};
+  }
+
+  void emit(Rank& r, Stream& s, std::string line) {
+    r.tail.push_back(line);
+    if (static_cast<int>(r.tail.size()) > o_.tail_lines) r.tail.pop_front();
+    if (o_.quiet_ranks && r.global != 0) return;
+    write_all(s.out_fd, fmt::format("[rank {}] {}\n", r.global, line));
+  }
+
+  // Reads what is available; returns false at end of file.
+  bool drain(Rank& r, Stream& s) {
+    char buf[65536];
+    for (;;) {
+      const ssize_t n = read(s.fd, buf, sizeof buf);
+      if (n > 0) {
+        s.partial.append(buf, static_cast<size_t>(n));
+        size_t nl;
+        while ((nl = s.partial.find('\n')) != std::string::npos) {
+          emit(r, s, s.partial.substr(0, nl));
+          s.partial.erase(0, nl + 1);
+        }
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+      if (!s.partial.empty()) emit(r, s, std::exchange(s.partial, {}));
+      close(s.fd);
+      s.fd = -1;
+      return false;
+    }
+  }
+
+  void signal_all(int sig) {
+    for (auto& r : ranks_) {
+      if (r.running) kill(-r.pid, sig);
+    }
+  }
+
+  void begin_stop(int sig) {
+    if (stopping_) return;
+    stopping_ = true;
+    signal_all(sig);
+    kill_deadline_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_seconds * 1000));
+  }
+
+  void reap() {
+    for (;;) {
+      int status = 0;
+      const pid_t pid = waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) return;
+      for (auto& r : ranks_) {
+        if (r.pid != pid || !r.running) continue;
+        r.running = false;
+        r.status = status;
+        // The rank is gone; anything it started in its group goes too.
+        kill(-r.pid, SIGKILL);
+        if (failed(status) && !stopping_ && first_failure_ < 0) {
+          first_failure_ = r.local;
+          const int others = static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), [](const Rank& x) { return x.running; }));
+          std::fprintf(stderr, "zeal launch: rank %d (local rank %d, pid %d) %s; stopping %d other rank%s\n",
+                       r.global, r.local, static_cast<int>(r.pid), describe_status(status).c_str(), others,
+                       others == 1 ? "" : "s");
+          begin_stop(SIGTERM);
+        }
+      }
+    }
+  }
+
+  void loop() {
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGINT, &sa, &old_int_);
+    sigaction(SIGTERM, &sa, &old_term_);
+    sigaction(SIGCHLD, &sa, &old_chld_);
+    for (;;) {
+      reap();
+      const bool any_running = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; });
+      std::vector<pollfd> fds;
+      std::vector<std::pair<Rank*, Stream*>> owners;
+      fds.push_back({g_signal_pipe[0], POLLIN, 0});
+      owners.push_back({nullptr, nullptr});
+      for (auto& r : ranks_) {
+        for (Stream* s : {&r.out, &r.err}) {
+          if (s->fd < 0) continue;
+          fds.push_back({s->fd, POLLIN, 0});
+          owners.push_back({&r, s});
+        }
+      }
+      if (!any_running) {
+        // Every rank has exited: take what is left in the pipes (a grandchild may still hold one
+        // open; its group was killed with its rank) and stop.
+        for (size_t i = 1; i < fds.size(); ++i) drain(*owners[i].first, *owners[i].second);
+        return;
+      }
+      int timeout_ms = 1000;
+      if (stopping_) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(kill_deadline_ - Clock::now()).count();
+        if (left <= 0) {
+          signal_all(SIGKILL);
+          timeout_ms = 100;
+        } else {
+          timeout_ms = static_cast<int>(std::min<int64_t>(left, 1000));
+        }
+      }
+      const int n = poll(fds.data(), fds.size(), timeout_ms);
+      if (n < 0 && errno != EINTR) throw Error(std::string("poll: ") + std::strerror(errno));
+      if (n <= 0) continue;
+      if (fds[0].revents & POLLIN) {
+        unsigned char sigs[64];
+        const ssize_t k = read(g_signal_pipe[0], sigs, sizeof sigs);
+        for (ssize_t i = 0; i < k; ++i) {
+          if (sigs[i] == SIGCHLD) continue;
+          if (interrupted_by_ == 0) {
+            interrupted_by_ = sigs[i];
+            std::fprintf(stderr, "zeal launch: received %s; passing it to every rank\n", sigabbrev_np(sigs[i]));
+            // The first signal goes through as it came (SIGINT lets a program save and exit);
+            // the grace period then ends in SIGKILL.
+            begin_stop(sigs[i]);
+          } else {
+            signal_all(SIGKILL);
+          }
+        }
+      }
+      for (size_t i = 1; i < fds.size(); ++i) {
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) drain(*owners[i].first, *owners[i].second);
+      }
+    }
+  }
+
+  int finish() {
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+    sigaction(SIGCHLD, &old_chld_, nullptr);
+    for (auto& r : ranks_) {
+      for (Stream* s : {&r.out, &r.err}) {
+        if (s->fd >= 0) close(s->fd);
+      }
+    }
+    if (first_failure_ >= 0) {
+      const Rank& r = ranks_[first_failure_];
+      if (!r.tail.empty()) {
+        std::fprintf(stderr, "zeal launch: last %zu line%s of rank %d:\n", r.tail.size(), r.tail.size() == 1 ? "" : "s",
+                     r.global);
+        for (const auto& line : r.tail) std::fprintf(stderr, "  | %s\n", line.c_str());
+      }
+      std::fprintf(stderr, "zeal launch: failed: rank %d %s\n", r.global, describe_status(r.status).c_str());
+      return exit_code_of(r.status);
+    }
+    if (interrupted_by_ != 0) return 128 + interrupted_by_;
+    return 0;
+  }
+
+  const LaunchOptions& o_;
+  std::vector<Rank> ranks_;
+  bool stopping_ = false;
+  Clock::time_point kill_deadline_{};
+  int first_failure_ = -1;
+  int interrupted_by_ = 0;
+  struct sigaction old_int_ {}, old_term_ {}, old_chld_ {};
+};
+
+}  // namespace
+
+bool port_is_free(int port, std::string* why) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return true;
+  const int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  if (!ok && why) *why = std::strerror(errno);
+  close(fd);
+  return ok;
+}
+
+int launch(const LaunchOptions& o) {
+  if (o.command.empty()) throw Error("zeal launch: no program given (usage: zeal launch [options] PROGRAM [ARGS...])");
+  if (o.nproc_per_node < 1) throw Error(fmt::format("--nproc_per_node must be at least 1, got {}", o.nproc_per_node));
+  if (o.nnodes < 1) throw Error(fmt::format("--nnodes must be at least 1, got {}", o.nnodes));
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes) {
+    throw Error(fmt::format("--node_rank {} is outside 0..{} for --nnodes {}", o.node_rank, o.nnodes - 1, o.nnodes));
+  }
+  if (o.master_port < 1 || o.master_port > 65535) throw Error(fmt::format("--master_port {} is not a TCP port", o.master_port));
+  if (!program_exists(o.command[0])) {
+    throw Error(fmt::format("cannot find the program '{}' (not a path to an executable, and not on PATH)", o.command[0]));
+  }
+  std::string why;
+  if (o.node_rank == 0 && !port_is_free(o.master_port, &why)) {
+    throw Error(fmt::format(
+        "port {} is already in use on this machine ({}): rank 0 listens there for the rendezvous. Another job may be "
+        "running; choose a free port with --main_process_port (or MASTER_PORT)",
+        o.master_port, why));
+  }
+  if (g_signal_pipe[0] < 0) {
+    if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) throw Error(std::string("pipe: ") + std::strerror(errno));
+  }
+  Group group(o);
+  return group.run();
+}
+
+}  // namespace zeal

@@ -1,0 +1,169 @@
+#include "engine/runtime/spawn.h"
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <ATen/Parallel.h>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "engine/error.h"
+#include "engine/runtime/runtime.h"
+
+namespace zeal {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void run_child(const std::function<void(Runtime&)>& fn, int rank, int nprocs, int port, int report_fd,
+                            const SpawnOptions& o) {
+  setenv("RANK", std::to_string(rank).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
+  setenv("NODE_RANK", "0", 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  for (const auto& [k, v] : o.env) setenv(k.c_str(), v.c_str(), 1);
+  // The parent's OpenMP pool does not survive fork; one intra-op thread is always safe.
+  at::set_num_threads(1);
+  int code = 0;
+  std::string failure;
+  try {
+    DistEnv env = DistEnv::from_environment();
+    RuntimeOptions ro;
+    ro.comm_timeout = o.comm_timeout;
+    ro.debug_collectives = o.debug_collectives;
+    ro.store_hosted_elsewhere = true;
+    ro.report_uncaught = false;
+    Runtime rt(env, ro);
+    fn(rt);
+  } catch (const std::exception& e) {
+    failure = e.what();
+    code = 1;
+  } catch (...) {
+    failure = "unknown exception";
+    code = 1;
+  }
+  if (!failure.empty()) {
+    if (failure.size() > 16000) failure.resize(16000);
+    [[maybe_unused]] ssize_t n = write(report_fd, failure.data(), failure.size());
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(code);
+}
+
+}  // namespace
+
+std::vector<RankResult> spawn(const std::function<void(Runtime&)>& fn, int nprocs, const SpawnOptions& o) {
+  if (nprocs < 1) throw Error(fmt::format("spawn: nprocs must be at least 1, got {}", nprocs));
+  c10d::TCPStoreOptions so;
+  so.port = 0;  // any free port
+  so.isServer = true;
+  so.waitWorkers = false;
+  so.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.comm_timeout * 1000.0));
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  const int port = store->getPort();
+
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<RankResult> results(nprocs);
+  std::vector<pid_t> pids(nprocs, -1);
+  std::vector<int> report(nprocs, -1);
+  std::vector<bool> running(nprocs, false);
+  for (int r = 0; r < nprocs; ++r) {
+    int fds[2];
+    if (pipe2(fds, O_CLOEXEC) != 0) throw Error(std::string("spawn: pipe: ") + std::strerror(errno));
+    const pid_t pid = fork();
+    if (pid < 0) throw Error(std::string("spawn: fork: ") + std::strerror(errno));
+    if (pid == 0) {
+      close(fds[0]);
+      run_child(fn, r, nprocs, port, fds[1], o);
+    }
+    close(fds[1]);
+    fcntl(fds[0], F_SETFL, O_NONBLOCK);
+    pids[r] = pid;
+    report[r] = fds[0];
+    running[r] = true;
+    results[r].rank = r;
+  }
+
+  auto read_report = [&](int r) {
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = read(report[r], buf, sizeof buf);
+      if (n > 0) {
+        results[r].failure.append(buf, static_cast<size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      break;
+    }
+  };
+
+  const auto start = Clock::now();
+  std::optional<Clock::time_point> kill_at;
+  int alive = nprocs;
+  std::vector<bool> stopped(nprocs, false);
+  while (alive > 0) {
+    for (int r = 0; r < nprocs; ++r) {
+      if (!running[r]) continue;
+      read_report(r);
+      int status = 0;
+      const pid_t p = waitpid(pids[r], &status, WNOHANG);
+      if (p != pids[r]) continue;
+      read_report(r);
+      running[r] = false;
+      --alive;
+      if (WIFEXITED(status)) {
+        results[r].exit_code = WEXITSTATUS(status);
+      } else if (WIFSIGNALED(status)) {
+        results[r].exit_code = -1;
+        results[r].signal = WTERMSIG(status);
+        if (results[r].failure.empty()) {
+          results[r].failure = stopped[r] ? "stopped: another rank failed or the run timed out"
+                                          : fmt::format("killed by signal {}", sigabbrev_np(WTERMSIG(status)));
+        }
+      }
+      if (!results[r].ok() && !kill_at) {
+        kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.grace_seconds * 1000));
+      }
+    }
+    const auto now = Clock::now();
+    const bool overall = o.timeout_seconds > 0 && now - start > std::chrono::duration<double>(o.timeout_seconds);
+    if ((kill_at && now >= *kill_at) || overall) {
+      for (int r = 0; r < nprocs; ++r) {
+        if (running[r] && !stopped[r]) {
+          stopped[r] = true;
+          kill(pids[r], SIGKILL);
+        }
+      }
+    }
+    if (alive > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (int fd : report) close(fd);
+  return results;
+}
+
+std::string describe_failures(const std::vector<RankResult>& results) {
+  std::string out;
+  for (const auto& r : results) {
+    if (r.ok()) continue;
+    out += fmt::format("rank {}: {}: {}\n", r.rank,
+                       r.signal ? fmt::format("signal {}", sigabbrev_np(r.signal)) : fmt::format("exit {}", r.exit_code),
+                       r.failure);
+  }
+  return out;
+}
+
+}  // namespace zeal
