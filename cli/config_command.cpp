@@ -205,7 +205,9 @@ std::string summary(const Config& c) {
 
 Config load_with_flags(const std::string& file, const std::map<std::string, std::string>& flags) {
   Config c = file.empty() ? Config::defaults(true) : Config::load(file, true);
-  for (const auto& [name, value] : flags) c.set(name, value, {Origin::Kind::kFlag, "--" + name});
+  std::vector<Config::Setting> settings;
+  for (const auto& [name, value] : flags) settings.push_back({name, value, {Origin::Kind::kFlag, "--" + name}});
+  c.set_all(settings);
   return c;
 }
 

@@ -29,7 +29,9 @@ Config load_launch_config(const std::string& config_file, const std::map<std::st
   std::string file = config_file;
   if (file.empty() && std::filesystem::exists(default_config_path())) file = default_config_path();
   Config c = file.empty() ? Config::defaults(true) : Config::load(file, true);
-  for (const auto& [name, value] : flags) c.set(name, value, {Origin::Kind::kFlag, "--" + name});
+  std::vector<Config::Setting> settings;
+  for (const auto& [name, value] : flags) settings.push_back({name, value, {Origin::Kind::kFlag, "--" + name}});
+  c.set_all(settings);
   if (used_file) *used_file = file;
   return c;
 }
@@ -84,16 +86,18 @@ Runner add_launch_command(CLI::App& app) {
       }
     }
     std::map<std::string, std::string> flags = st->flags;
-    flags.erase("num_processes");
+    if (st->nproc_per_node > 0) {
+      // torchrun counts processes per machine; the config counts them over all machines.
+      int64_t machines = 0;
+      if (auto it = flags.find("num_machines"); it != flags.end()) {
+        machines = std::stoll(it->second);
+      } else {
+        machines = load_launch_config(st->config_file, {}, nullptr).launch.num_machines;
+      }
+      flags["num_processes"] = std::to_string(st->nproc_per_node * machines);
+    }
     std::string file;
     Config c = load_launch_config(st->config_file, flags, &file);
-    if (st->nproc_per_node > 0) {
-      c.set("num_processes", std::to_string(st->nproc_per_node * c.launch.num_machines), {Origin::Kind::kFlag, "--nproc_per_node"});
-      flags["num_processes"] = std::to_string(c.launch.num_processes);
-    } else if (auto it = st->flags.find("num_processes"); it != st->flags.end()) {
-      c.set("num_processes", it->second, {Origin::Kind::kFlag, "--num_processes"});
-      flags["num_processes"] = it->second;
-    }
     LaunchOptions o = launch_options_from(c, file, flags);
     o.quiet_ranks = st->quiet_ranks;
     o.bind = !st->no_bind;

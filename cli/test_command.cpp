@@ -77,15 +77,15 @@ Runner add_test_command(CLI::App& app) {
     std::string file;
     Config c = load_launch_config(st->config_file, st->flags, &file);
     if (!st->flags.count("num_processes") && c.launch.num_processes < 2) {
-      c.set("num_processes", "2", {Origin::Kind::kFlag, "zeal test"});  // a test over one rank checks little
-      st->flags["num_processes"] = "2";
+      st->flags["num_processes"] = "2";  // a test over one rank checks little
+      c = load_launch_config(st->config_file, st->flags, &file);
     }
     LaunchOptions o = launch_options_from(c, file, st->flags);
     o.command = {self_path(), "test", "--backend", st->backend};
     o.env["ZEAL_TEST_WORKER"] = "1";
     o.quiet_ranks = true;
-    std::printf("zeal test: launching %d rank%s (%s)\n", o.nproc_per_node * o.nnodes,
-                o.nproc_per_node * o.nnodes == 1 ? "" : "s", st->backend.c_str());
+    std::printf("zeal test: launching %d of %d ranks on machine %d (%s)\n", o.nproc_per_node, o.nproc_per_node * o.nnodes,
+                o.node_rank, st->backend.c_str());
     std::fflush(stdout);
     return launch(o);
   };

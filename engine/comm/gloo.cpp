@@ -8,6 +8,12 @@
 
 #include <ATen/ATen.h>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <condition_variable>
 #include <deque>
 #include <future>
@@ -30,6 +36,34 @@ const char* to_string(ReduceOp op) {
 
 namespace detail {
 namespace {
+
+// The address the other ranks reach this one at: the interface GLOO_SOCKET_IFNAME names, or
+// the local address of the route to the master (a UDP connect sends nothing).
+std::shared_ptr<::gloo::transport::Device> make_device(const std::string& master_addr) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  std::string local = "127.0.0.1";
+  if (getaddrinfo(master_addr.c_str(), "9", &hints, &res) == 0 && res) {
+    const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+      sockaddr_in me{};
+      socklen_t len = sizeof me;
+      char buf[INET_ADDRSTRLEN] = {0};
+      if (getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len) == 0 &&
+          inet_ntop(AF_INET, &me.sin_addr, buf, sizeof buf)) {
+        local = buf;
+      }
+    }
+    if (fd >= 0) close(fd);
+    freeaddrinfo(res);
+  }
+  return c10d::ProcessGroupGloo::createDeviceForHostname(local);
+}
 
 std::string dtype_of(const at::Tensor& t) { return dtype_name(c10::toString(t.scalar_type())); }
 
@@ -115,10 +149,11 @@ class GlooWork final : public Work::Impl {
 class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world, std::chrono::milliseconds timeout,
-                   bool debug)
+                   bool debug, const std::string& master_addr)
       : rank_(rank), world_(world), monitor_(store, "zeal/comm/", rank, world, timeout, debug) {
     auto options = c10d::ProcessGroupGloo::Options::create_default(timeout);
     options->threads = 2;
+    options->devices = {make_device(master_addr)};
     pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("zeal/gloo", store), rank,
                                                       world, options);
     ring_thread_ = std::thread([this] { ring_loop(); });
@@ -284,8 +319,9 @@ class GlooCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
-                                                     std::chrono::milliseconds timeout, bool debug) {
-  return std::make_unique<GlooCommunicator>(store, rank, world, timeout, debug);
+                                                     std::chrono::milliseconds timeout, bool debug,
+                                                     const std::string& master_addr) {
+  return std::make_unique<GlooCommunicator>(store, rank, world, timeout, debug, master_addr);
 }
 
 }  // namespace detail

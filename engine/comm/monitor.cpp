@@ -1,6 +1,7 @@
 #include "engine/comm/monitor.h"
 
 #include <map>
+#include <sstream>
 
 #include <fmt/format.h>
 
@@ -8,6 +9,7 @@ namespace zeal::detail {
 namespace {
 
 constexpr auto kHeartbeat = std::chrono::milliseconds(100);
+constexpr auto kAliveEvery = std::chrono::milliseconds(250);
 
 std::string to_text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 std::vector<uint8_t> to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
@@ -38,7 +40,7 @@ Monitor::Monitor(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int 
     : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), world_(world), timeout_(timeout),
       debug_(debug) {
   current_ = "0 none";
-  store_->set(fmt::format("{}progress/{}", prefix_, rank_), to_bytes(current_));
+  store_->set(fmt::format("{}progress/{}", prefix_, rank_), to_bytes("0 0 none"));
   thread_ = std::thread([this] { heartbeat(); });
 }
 
@@ -52,16 +54,24 @@ Monitor::~Monitor() {
 }
 
 void Monitor::heartbeat() {
-  std::string posted = current_;
+  // Posts "<seq> <beat> <collective>" when the collective changes and at least every
+  // kAliveEvery, so others can tell a live rank that is elsewhere from one that is gone.
+  uint64_t beat = 0;
+  std::string posted;
+  auto last = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     cv_.wait_for(lock, kHeartbeat);
     if (stop_) break;
-    if (current_ == posted) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (current_ == posted && now - last < kAliveEvery) continue;
     posted = current_;
+    last = now;
+    const std::string value = fmt::format("{} {} {}", posted.substr(0, posted.find(' ')), ++beat,
+                                          posted.substr(posted.find(' ') + 1));
     lock.unlock();
     try {
-      store_->set(fmt::format("{}progress/{}", prefix_, rank_), to_bytes(posted));
+      store_->set(fmt::format("{}progress/{}", prefix_, rank_), to_bytes(value));
     } catch (const std::exception&) {
       // The store is gone (rank 0 exited): the collective itself will report the failure.
     }
@@ -114,32 +124,48 @@ void Monitor::compare(const OpInfo& op) {
 }
 
 void Monitor::fail(const OpInfo& op, const std::string& cause) {
-  // Give the other ranks' heartbeats time to post where they are.
-  std::this_thread::sleep_for(3 * kHeartbeat);
+  // Read every rank's progress twice, a few heartbeats apart: a rank whose beat did not move is
+  // no longer running (it exited, crashed or is stopped).
+  auto read_all = [&] {
+    std::vector<std::string> states(world_);
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      const std::string key = fmt::format("{}progress/{}", prefix_, r);
+      try {
+        if (store_->check({key})) states[r] = to_text(store_->get(key));
+      } catch (const std::exception&) {
+      }
+    }
+    return states;
+  };
+  const auto first = read_all();
+  std::this_thread::sleep_for(kAliveEvery * 3);
+  const auto second = read_all();
   std::vector<int> missing;
   std::vector<std::string> where;
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
-    const std::string key = fmt::format("{}progress/{}", prefix_, r);
-    std::string state;
-    try {
-      if (store_->check({key})) state = to_text(store_->get(key));
-    } catch (const std::exception&) {
-      state.clear();
-    }
+    const std::string& state = second[r];
     if (state.empty()) {
       missing.push_back(r);
       where.push_back(fmt::format("rank {}: unknown (the store is unreachable)", r));
       continue;
     }
-    const uint64_t their = std::stoull(state);
-    const std::string what = state.substr(state.find(' ') + 1);
+    std::istringstream in(state);
+    uint64_t their = 0, beat = 0;
+    in >> their >> beat;
+    std::string what;
+    std::getline(in >> std::ws, what);
+    const bool alive = first[r] != second[r];
+    const std::string life = alive ? "" : " and is not responding (exited, crashed or stopped?)";
     if (their < op.seq) {
       missing.push_back(r);
-      where.push_back(their == 0 ? fmt::format("rank {} has not entered any collective", r)
-                                 : fmt::format("rank {} is at {}", r, what));
+      where.push_back(their == 0 ? fmt::format("rank {} has not entered any collective{}", r, life)
+                                 : fmt::format("rank {} is at {}{}", r, what, life));
     } else if (their > op.seq) {
-      where.push_back(fmt::format("rank {} is already at {}", r, what));
+      where.push_back(fmt::format("rank {} is already at {}{}", r, what, life));
+    } else if (!alive) {
+      where.push_back(fmt::format("rank {} reached it{}", r, life));
     }
   }
   std::string msg = fmt::format("rank {}: {} failed: {}", rank_, op.describe(), cause);
@@ -147,7 +173,7 @@ void Monitor::fail(const OpInfo& op, const std::string& cause) {
     msg += fmt::format("\n  missing: rank{} {} {} not reached it", missing.size() == 1 ? "" : "s", rank_list(missing),
                        missing.size() == 1 ? "has" : "have");
   } else {
-    msg += "\n  every rank reached it (a rank may have died during the collective)";
+    msg += "\n  every rank reached it";
   }
   for (const auto& w : where) msg += "\n  " + w;
   msg += "\n  Every rank must issue the same collectives in the same order; run with ZEAL_DEBUG_COLLECTIVES=1 to check.";

@@ -196,6 +196,12 @@ struct Config {
   // Sets one canonical key (or launcher flag name) from a string, recording its origin, and
   // re-validates. Throws ConfigError naming the key and the allowed values.
   void set(const std::string& key, const std::string& value, Origin origin);
+  // Sets several keys, then validates once (so num_machines and machine_rank can change together).
+  struct Setting {
+    std::string key, value;
+    Origin origin;
+  };
+  void set_all(const std::vector<Setting>& settings);
   // Fills "auto" values and checks the batch-size identity. Throws ConfigError when an "auto"
   // has nothing to be resolved from.
   void resolve_auto(const ProgramValues& values);

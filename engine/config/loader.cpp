@@ -498,18 +498,23 @@ Config Config::defaults(bool apply_env) {
   return finish(std::move(c), std::move(errors));
 }
 
-void Config::set(const std::string& key, const std::string& value, Origin origin) {
-  std::string canonical = key;
-  for (const auto& f : override_flags())
-    if (f.flag == key) canonical = f.key;
+void Config::set(const std::string& key, const std::string& value, Origin origin) { set_all({{key, value, origin}}); }
+
+void Config::set_all(const std::vector<Setting>& settings) {
   std::vector<std::string> errors;
-  if (!config_detail::find_field(canonical)) {
-    std::string section = canonical.substr(0, canonical.rfind('.') == std::string::npos ? 0 : canonical.rfind('.'));
-    std::string leaf = canonical.substr(section.empty() ? 0 : section.size() + 1);
-    throw ConfigError({fmt::format("{}: unknown key {}; {}", origin.where, key, config_detail::suggest(section, leaf))});
-  }
   Config next = *this;
-  Loader(next, errors).assign(canonical, value_node(value), origin, key);
+  for (const auto& [key, value, origin] : settings) {
+    std::string canonical = key;
+    for (const auto& f : override_flags())
+      if (f.flag == key) canonical = f.key;
+    if (!config_detail::find_field(canonical)) {
+      std::string section = canonical.substr(0, canonical.rfind('.') == std::string::npos ? 0 : canonical.rfind('.'));
+      std::string leaf = canonical.substr(section.empty() ? 0 : section.size() + 1);
+      errors.push_back(fmt::format("{}: unknown key {}; {}", origin.where, key, config_detail::suggest(section, leaf)));
+      continue;
+    }
+    Loader(next, errors).assign(canonical, value_node(value), origin, key);
+  }
   if (!errors.empty()) throw ConfigError(errors);
   *this = finish(std::move(next), {});
 }
@@ -542,8 +547,10 @@ Config Config::from_env_or_file(int argc, const char* const* argv) {
     }
   }
   Config c = file.empty() ? defaults(true) : load(file, true);
-  if (const char* ws = std::getenv("WORLD_SIZE")) c.set("num_processes", ws, {Origin::Kind::kEnvironment, "WORLD_SIZE"});
-  for (const auto& [name, value] : flags) c.set(name, value, {Origin::Kind::kFlag, "--" + name});
+  std::vector<Setting> settings;
+  if (const char* ws = std::getenv("WORLD_SIZE")) settings.push_back({"num_processes", ws, {Origin::Kind::kEnvironment, "WORLD_SIZE"}});
+  for (const auto& [name, value] : flags) settings.push_back({name, value, {Origin::Kind::kFlag, "--" + name}});
+  c.set_all(settings);
   return c;
 }
 

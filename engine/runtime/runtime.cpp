@@ -135,7 +135,8 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
     }
     check_in(*m.store, env, m.timeout);
   }
-  m.gloo = detail::make_gloo_communicator(m.store, env.rank, env.world_size, m.timeout, m.options.debug_collectives);
+  m.gloo = detail::make_gloo_communicator(m.store, env.rank, env.world_size, m.timeout, m.options.debug_collectives,
+                                          env.world_size == 1 ? "127.0.0.1" : env.master_addr);
 }
 
 Runtime::~Runtime() = default;
