@@ -226,7 +226,7 @@ int report_error(const std::exception& e) {
   if (auto* ce = dynamic_cast<const ConfigError*>(&e)) {
     for (const auto& p : ce->problems()) std::fprintf(stderr, "zeal: error: %s\n", p.c_str());
   } else {
-    std::fprintf(stderr, "zeal: error: %s\n", e.what());
+    std::fprintf(stderr, "zeal: error: %s\n", without_backtrace(e.what()).c_str());
   }
   return 2;
 }

@@ -30,4 +30,11 @@ CheckFailure::~CheckFailure() {
 }
 }  // namespace detail
 
+std::string without_backtrace(const std::string& what) {
+  const size_t at = what.find("Exception raised from");
+  std::string s = at == std::string::npos ? what : what.substr(0, at);
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
 }  // namespace zeal

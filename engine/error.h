@@ -25,6 +25,9 @@ class ConfigError : public Error {
   std::vector<std::string> problems_;
 };
 
+// An exception's text without the C++ stack trace LibTorch appends ("Exception raised from …").
+std::string without_backtrace(const std::string& what);
+
 namespace detail {
 // Collects the streamed context of a failed ZEAL_CHECK and aborts in its destructor.
 class CheckFailure {

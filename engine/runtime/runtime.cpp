@@ -31,7 +31,7 @@ int g_rank_for_terminate = -1;
     try {
       std::rethrow_exception(e);
     } catch (const std::exception& ex) {
-      what = ex.what();
+      what = without_backtrace(ex.what());
     } catch (...) {
     }
   } else {
@@ -49,7 +49,7 @@ bool env_flag(const char* name) {
 }
 
 // Meets every rank through the store: each posts its world size and host, then waits for all.
-void check_in(c10d::Store& store, const DistEnv& e, std::chrono::milliseconds timeout) {
+void check_in_unguarded(c10d::Store& store, const DistEnv& e, std::chrono::milliseconds timeout) {
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
   store.set(fmt::format("zeal/rdzv/{}", e.rank),
@@ -80,6 +80,18 @@ void check_in(c10d::Store& store, const DistEnv& e, std::chrono::milliseconds ti
                               "rank must be launched with the same world size",
                               e.rank, e.world_size, r, their_world, v.substr(v.find(' ') + 1)));
     }
+  }
+}
+
+void check_in(c10d::Store& store, const DistEnv& e, std::chrono::milliseconds timeout) {
+  try {
+    check_in_unguarded(store, e, timeout);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& ex) {
+    throw Error(fmt::format("rank {}: lost the rendezvous store at {}:{} during the rendezvous (rank 0 hosts it; did it "
+                            "exit?): {}",
+                            e.rank, e.master_addr, e.master_port, first_line(ex.what())));
   }
 }
 

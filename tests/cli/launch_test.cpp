@@ -1,0 +1,198 @@
+// `zeal launch` and `zeal test` as a user runs them: the ranks' environment, prefixed output,
+// teardown when a rank fails, signals, and the errors that must not be hangs.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Result {
+  int status = -1;
+  std::string output;
+  double seconds = 0;
+};
+
+Result run_zeal(const std::string& args, const std::string& prefix = "") {
+  const std::string cmd = prefix + " " + ZEAL_CLI + " " + args + " 2>&1";
+  Result r;
+  const auto t0 = Clock::now();
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int st = pclose(p);
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+bool alive(pid_t pid) { return kill(pid, 0) == 0; }
+
+// Distinct ports per test so ctest -j can run them side by side.
+int port_for(int i) { return 29700 + (getpid() % 100) * 10 + i; }
+
+class Launch : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("zeal_launch_" + std::to_string(getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // The pids the ranks wrote to pid.<rank>, waiting up to 10 s for `n` of them.
+  std::vector<pid_t> pids(int n) {
+    std::vector<pid_t> out;
+    for (int tries = 0; tries < 200; ++tries) {
+      out.clear();
+      for (int r = 0; r < n; ++r) {
+        std::ifstream f(dir_ / ("pid." + std::to_string(r)));
+        pid_t p = 0;
+        if (f >> p) out.push_back(p);
+      }
+      if (static_cast<int>(out.size()) == n) return out;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return out;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(Launch, EveryRankGetsTheTorchrunEnvironmentAndPrefixedOutput) {
+  const int port = port_for(0);
+  Result r = run_zeal("launch --num_processes 3 --main_process_port " + std::to_string(port) +
+                      " --config_file configs/zero2.yaml sh -c "
+                      "'echo \"env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $NODE_RANK $MASTER_ADDR $MASTER_PORT "
+                      "$ZEAL_CONFIG_FILE\"; echo \"to stderr $RANK\" >&2'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string config = fs::absolute("configs/zero2.yaml").string();
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string want = "[rank " + std::to_string(rank) + "] env " + std::to_string(rank) + " " +
+                             std::to_string(rank) + " 3 3 0 127.0.0.1 " + std::to_string(port) + " " + config;
+    EXPECT_NE(r.output.find(want), std::string::npos) << want << "\n" << r.output;
+    EXPECT_NE(r.output.find("[rank " + std::to_string(rank) + "] to stderr " + std::to_string(rank)), std::string::npos);
+  }
+}
+
+TEST_F(Launch, TorchrunNamesAndOverridesReachTheRanks) {
+  Result r = run_zeal("launch --nproc_per_node 2 --master_port " + std::to_string(port_for(1)) +
+                      " --mixed_precision bf16 sh -c 'echo \"w=$WORLD_SIZE mp=$ZEAL_MIXED_PRECISION\"'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] w=2 mp=bf16"), std::string::npos) << r.output;
+}
+
+TEST_F(Launch, QuietRanksShowsRankZeroOnly) {
+  Result r = run_zeal("launch --num_processes 3 --quiet_ranks --main_process_port " + std::to_string(port_for(2)) +
+                      " sh -c 'echo hello $RANK'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] hello 0"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("[rank 1]"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("[rank 2]"), std::string::npos) << r.output;
+}
+
+TEST_F(Launch, OneRankExitingThreeStopsTheOthersAndExitsThree) {
+  const std::string script = "echo $$ > " + dir_.string() +
+                             "/pid.$RANK; if [ $RANK = 1 ]; then sleep 1; echo about to fail; exit 3; fi; exec sleep 60";
+  Result r = run_zeal("launch --num_processes 3 --main_process_port " + std::to_string(port_for(3)) + " sh -c '" +
+                      script + "'");
+  EXPECT_EQ(r.status, 3) << r.output;
+  EXPECT_LT(r.seconds, 15) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (local rank 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with status 3; stopping 2 other ranks"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("  | about to fail"), std::string::npos) << "the failed rank's last lines\n" << r.output;
+  for (pid_t p : pids(3)) EXPECT_FALSE(alive(p)) << "rank process " << p << " still running";
+}
+
+TEST_F(Launch, RankKilledBySignalIsReportedWithTheSignal) {
+  Result r = run_zeal("launch --num_processes 2 --main_process_port " + std::to_string(port_for(4)) +
+                      " sh -c 'if [ $RANK = 0 ]; then kill -9 $$; fi; exec sleep 60'");
+  EXPECT_EQ(r.status, 128 + 9) << r.output;
+  EXPECT_NE(r.output.find("rank 0 (local rank 0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("was killed by signal 9 (KILL)"), std::string::npos) << r.output;
+}
+
+TEST_F(Launch, SigintToTheLauncherStopsEveryRank) {
+  // Rank 1 ignores SIGINT: it must still go, by SIGKILL after the grace period.
+  const std::string script = "if [ $RANK = 1 ]; then trap \"\" INT; fi; echo $$ > " + dir_.string() +
+                             "/pid.$RANK; while true; do sleep 0.1; done";
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    const std::string port = std::to_string(port_for(5));
+    execl(ZEAL_CLI, ZEAL_CLI, "launch", "--num_processes", "3", "--stop_grace", "1", "--main_process_port", port.c_str(),
+          "sh", "-c", script.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  const auto ranks = pids(3);
+  ASSERT_EQ(ranks.size(), 3u);
+  const auto t0 = Clock::now();
+  kill(launcher, SIGINT);
+  int status = 0;
+  ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 130);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (pid_t p : ranks) EXPECT_FALSE(alive(p)) << "rank process " << p << " still running";
+}
+
+TEST_F(Launch, PortInUseIsAnErrorBeforeAnythingStarts) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const int port = ntohs(a.sin_port);
+  Result r = run_zeal("launch --num_processes 2 --main_process_port " + std::to_string(port) + " sh -c 'echo started'");
+  close(fd);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("port " + std::to_string(port) + " is already in use"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("started"), std::string::npos) << r.output;
+}
+
+TEST_F(Launch, MissingProgramIsAnError) {
+  Result r = run_zeal("launch --num_processes 2 no-such-program-zeal");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("cannot find the program 'no-such-program-zeal'"), std::string::npos) << r.output;
+}
+
+TEST_F(Launch, RanksStartedWithDifferentWorldSizesAreToldSo) {
+  const std::string worker = std::string("ZEAL_TEST_WORKER=1 ") + ZEAL_CLI + " test";
+  Result r = run_zeal("launch --num_processes 2 --comm_timeout 20 --main_process_port " + std::to_string(port_for(6)) +
+                      " sh -c 'if [ $RANK = 1 ]; then export WORLD_SIZE=3; fi; " + worker + "'");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_LT(r.seconds, 15) << r.output;
+  EXPECT_NE(r.output.find("rank 0 was started with WORLD_SIZE=2 but rank 1 with WORLD_SIZE=3"), std::string::npos)
+      << r.output;
+}
+
+TEST_F(Launch, ZealTestPassesOnFourProcesses) {
+  Result r = run_zeal("test --num_processes 4 --main_process_port " + std::to_string(port_for(7)));
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("0 failed on 4 ranks (gloo, zeal launch)"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("FAIL "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("PASS  reduce_scatter(avg) bfloat16 n=9"), std::string::npos) << r.output;
+}
+
+}  // namespace
