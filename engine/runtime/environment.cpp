@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 #include <hwloc.h>
+
+#include "engine/launch/binding.h"
 #include <liburing.h>
 
 #ifndef ZEAL_CUDA_VERSION
@@ -156,6 +158,14 @@ std::vector<EnvironmentItem> describe_environment() {
   items.push_back({"CPU SIMD", simd_features()});
   items.push_back({"cores", topo.cores});
   items.push_back({"NUMA nodes", topo.numa});
+  items.push_back({"CPU binding (this process)", current_cpu_binding()});
+  const char* planned = std::getenv("ZEAL_CPU_BIND");
+  if (planned) items.push_back({"CPU binding (from zeal launch)", planned});
+  for (int ranks : {2, 4}) {
+    std::string plan;
+    for (const auto& b : plan_cpu_binding(ranks)) plan += fmt::format("{}{}: {}", plan.empty() ? "" : "; ", b.local_rank, b.describe());
+    items.push_back({fmt::format("zeal launch binding, {} local ranks", ranks), plan.empty() ? "unavailable" : plan});
+  }
   items.push_back({"memory", fmt::format("{:.1f} GiB", static_cast<double>(pages) * page / (1ULL << 30))});
   items.push_back({"compiler", __VERSION__});
   return items;

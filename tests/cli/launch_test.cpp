@@ -13,6 +13,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
 #include <thread>
 
 namespace fs = std::filesystem;
@@ -193,6 +196,61 @@ TEST_F(Launch, ZealTestPassesOnFourProcesses) {
   EXPECT_NE(r.output.find("0 failed on 4 ranks (gloo, zeal launch)"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("FAIL "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("PASS  reduce_scatter(avg) bfloat16 n=9"), std::string::npos) << r.output;
+}
+
+}  // namespace
+
+namespace {
+
+// "0-2,5" → {0,1,2,5}
+std::set<int> parse_cpu_list(const std::string& s) {
+  std::set<int> out;
+  std::stringstream in(s);
+  std::string part;
+  while (std::getline(in, part, ',')) {
+    const auto dash = part.find('-');
+    const int a = std::stoi(part.substr(0, dash));
+    const int b = dash == std::string::npos ? a : std::stoi(part.substr(dash + 1));
+    for (int c = a; c <= b; ++c) out.insert(c);
+  }
+  return out;
+}
+
+std::map<int, std::pair<std::set<int>, int>> affinity_by_rank(const std::string& output) {
+  std::map<int, std::pair<std::set<int>, int>> m;
+  std::stringstream in(output);
+  std::string line;
+  while (std::getline(in, line)) {
+    int rank = -1, threads = 0;
+    char list[256] = {0};
+    if (std::sscanf(line.c_str(), "[rank %d] cpus %255s threads %d", &rank, list, &threads) == 3) {
+      m[rank] = {parse_cpu_list(list), threads};
+    }
+  }
+  return m;
+}
+
+TEST_F(Launch, EachLocalRankIsBoundToItsOwnCores) {
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores < 2) GTEST_SKIP() << "needs two cores to show disjoint binding";
+  const std::string probe =
+      " sh -c 'echo cpus $(grep Cpus_allowed_list /proc/self/status | cut -f2) threads ${OMP_NUM_THREADS:-0}'";
+  Result bound = run_zeal("launch --num_processes 2 --main_process_port " + std::to_string(port_for(8)) + probe,
+                          "env -u OMP_NUM_THREADS");
+  ASSERT_EQ(bound.status, 0) << bound.output;
+  auto m = affinity_by_rank(bound.output);
+  ASSERT_EQ(m.size(), 2u) << bound.output;
+  for (int c : m[0].first) EXPECT_EQ(m[1].first.count(c), 0u) << "core " << c << " is in both ranks' sets\n" << bound.output;
+  for (int r : {0, 1}) {
+    EXPECT_FALSE(m[r].first.empty());
+    EXPECT_EQ(m[r].second, static_cast<int>(m[r].first.size())) << "intra-op threads match the cores\n" << bound.output;
+  }
+  Result free = run_zeal("launch --no_bind --num_processes 2 --main_process_port " + std::to_string(port_for(9)) + probe,
+                         "env -u OMP_NUM_THREADS");
+  auto f = affinity_by_rank(free.output);
+  ASSERT_EQ(f.size(), 2u) << free.output;
+  EXPECT_EQ(f[0].first, f[1].first) << free.output;
+  EXPECT_GE(f[0].first.size(), 2u) << free.output;
 }
 
 }  // namespace
