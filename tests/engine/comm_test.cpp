@@ -1,6 +1,7 @@
 // The communicator over 1–4 ranks started by zeal::spawn: every collective against values each
 // rank computes itself, and the failure behaviour (timeouts, dead peers, mismatched calls).
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -40,6 +41,24 @@ TEST_P(Collectives, EveryOpDtypeAndUnevenSizeMatchesLocalValues) {
 }
 
 INSTANTIATE_TEST_SUITE_P(World, Collectives, ::testing::Values(1, 2, 3, 4));
+
+// The NCCL backend on CUDA tensors: one rank per GPU, as many ranks as GPUs (at most 4).
+TEST(NcclCollectives, EveryOpDtypeAndUnevenSizeMatchesLocalValues) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU (or LibTorch without CUDA): the NCCL backend runs only on GPUs";
+  const int gpus = static_cast<int>(std::min<int64_t>(4, at::detail::getCUDAHooks().deviceCount()));
+  auto results = spawn(
+      [](Runtime& rt) {
+        EXPECT_EQ(rt.cuda_comm().backend(), "nccl");
+        const auto checks = run_collective_checks(rt.cuda_comm(), /*cuda=*/true);
+        std::string failed;
+        for (const auto& c : checks) {
+          if (!c.passed) failed += c.name + " " + c.detail + "\n";
+        }
+        if (!failed.empty()) throw Error(failed);
+      },
+      gpus);
+  EXPECT_EQ(describe_failures(results), "");
+}
 
 TEST(Collectives, ReduceScatterOfAnUnevenBufferByHand) {
   // 3 ranks, 10 elements: shards of 4, 4 and 2 (+2 padding). Rank r contributes (r+1)·i.
