@@ -1,7 +1,7 @@
 // comm_bench: zeal's Gloo communicator beside raw c10d ProcessGroupGloo calls, in one run, on
 // ranks started by zeal::spawn on this machine.
 //
-//   build/bin/comm_bench [--world N] [--max_mib M] [--min_seconds S] [--json PATH]
+//   build/bin/comm_bench [--world N] [--min_kib K] [--max_mib M] [--min_seconds S] [--json PATH]
 //
 // For all_gather, reduce_scatter and all_reduce of float32 buffers from 4 KiB to M MiB (the
 // buffer is the all-gather output, the reduce-scatter input, the all-reduce tensor), it prints
@@ -69,7 +69,8 @@ std::pair<double, double> time_pair(zeal::Communicator& comm, const std::functio
   const int64_t iters = count.item<int64_t>();
   double best_a = 1e9, best_b = 1e9;
   for (int round = 0; round < 5; ++round) {
-    for (int which = 0; which < 2; ++which) {
+    for (int w = 0; w < 2; ++w) {
+      const int which = (w + round) % 2;  // alternate which goes first
       comm.barrier().wait();
       const auto start = Clock::now();
       for (int64_t i = 0; i < iters; ++i) (which == 0 ? a : b)();
@@ -85,6 +86,7 @@ std::pair<double, double> time_pair(zeal::Communicator& comm, const std::functio
 int main(int argc, char** argv) {
   int world = 2;
   int max_mib = 256;
+  int64_t min_kib = 4;
   double min_seconds = 0.3;
   std::string json;
   for (int i = 1; i < argc; ++i) {
@@ -92,10 +94,11 @@ int main(int argc, char** argv) {
     auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
     if (a == "--world") world = std::stoi(next());
     else if (a == "--max_mib") max_mib = std::stoi(next());
+    else if (a == "--min_kib") min_kib = std::stoll(next());
     else if (a == "--min_seconds") min_seconds = std::stod(next());
     else if (a == "--json") json = next();
     else {
-      std::fprintf(stderr, "usage: comm_bench [--world N] [--max_mib M] [--min_seconds S] [--json PATH]\n");
+      std::fprintf(stderr, "usage: comm_bench [--world N] [--min_kib K] [--max_mib M] [--min_seconds S] [--json PATH]\n");
       return 2;
     }
   }
@@ -123,7 +126,7 @@ int main(int argc, char** argv) {
         zeal::Communicator& comm = rt.comm();
         const int n = rt.world_size();
         std::vector<Row> rows;
-        for (int64_t bytes = 4096; bytes <= (int64_t{max_mib} << 20); bytes *= 4) {
+        for (int64_t bytes = min_kib << 10; bytes <= (int64_t{max_mib} << 20); bytes *= 4) {
           const int64_t total = bytes / 4, shard = comm.shard_size(total);
           at::Tensor flat = at::rand({total});
           at::Tensor part = at::rand({shard});

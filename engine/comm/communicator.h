@@ -1,8 +1,9 @@
 // One interface for the collectives ZeRO needs, with a Gloo backend (CPU tensors, through
 // LibTorch's c10d) and an NCCL backend (CUDA tensors, through NCCL's C API).
 //
-// Every call is asynchronous and returns a Work; wait() blocks until it is done. Ranks must
-// issue the same collectives in the same order. Each collective has a deadline (comm_timeout):
+// Every call is asynchronous and returns a Work; wait() blocks until it is done. Until then the
+// call's tensors must stay as they are (inputs unchanged, outputs unread). Ranks must issue the
+// same collectives in the same order. Each collective has a deadline (comm_timeout):
 // when it passes, or a peer dies, wait() throws CommError naming the operation, its sequence
 // number, its size and dtype, and the ranks that had not reached it.
 //

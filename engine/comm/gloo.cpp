@@ -65,6 +65,8 @@ std::shared_ptr<::gloo::transport::Device> make_device(const std::string& master
   return c10d::ProcessGroupGloo::createDeviceForHostname(local);
 }
 
+constexpr int64_t kSegmentBytes = 4 << 20;
+
 std::string dtype_of(const at::Tensor& t) { return dtype_name(c10::toString(t.scalar_type())); }
 
 void divide(const at::Tensor& t, int world) {
@@ -202,13 +204,10 @@ class GlooCommunicator final : public Communicator {
     }
     auto work = start(fmt::format("reduce_scatter({})", to_string(op)), input.numel(), dtype_of(input));
     const uint64_t seq = monitor_.sequence();
-    // The ring reduces in a padded copy, so the caller's input stays as it was.
-    at::Tensor buf = at::zeros({s * world_}, input.options());
-    buf.narrow(0, 0, input.numel()).copy_(input.view({-1}));
+    at::Tensor in = input.view({-1});
     at::Tensor out = shard.view({-1});
-    auto task = std::make_shared<std::packaged_task<void()>>([this, buf, out, s, seq, op] {
-      ring_reduce_scatter(buf, s, seq, op);
-      out.copy_(buf.narrow(0, static_cast<int64_t>(rank_) * s, s));
+    auto task = std::make_shared<std::packaged_task<void()>>([this, in, out, s, seq, op] {
+      ring_reduce_scatter(in, out, s, seq, op);
       if (op == ReduceOp::kAvg) divide(out, world_);
     });
     work->future = task->get_future().share();
@@ -267,29 +266,63 @@ class GlooCommunicator final : public Communicator {
     if (!t.is_contiguous()) throw Error(fmt::format("{}: the {} tensor must be contiguous", op, what));
   }
 
-  // Ring reduce-scatter over the world_ chunks of `buf` (each s elements): in step k, rank r
-  // sends chunk r-k-1 to r+1 and adds chunk r-k-2 received from r-1. After world-1 steps chunk r
-  // holds the sum over all ranks. Each rank sends and receives (world-1)·s elements.
-  void ring_reduce_scatter(const at::Tensor& buf, int64_t s, uint64_t seq, ReduceOp op) {
-    if (world_ == 1 || s == 0) return;
-    const int next = (rank_ + 1) % world_, prev = (rank_ + world_ - 1) % world_;
-    at::Tensor incoming = at::empty({s}, buf.options());
-    for (int k = 0; k + 1 < world_; ++k) {
-      const int64_t send_chunk = ((rank_ - k - 1) % world_ + world_) % world_;
-      const int64_t recv_chunk = ((rank_ - k - 2) % world_ + world_) % world_;
-      const int tag = static_cast<int>(((seq & 0xFFFFF) << 10) | static_cast<uint64_t>(k));
-      std::vector<at::Tensor> rx{incoming};
-      std::vector<at::Tensor> tx{buf.narrow(0, send_chunk * s, s)};
-      auto r = pg_->recv(rx, prev, tag);
-      auto w = pg_->send(tx, next, tag);
-      if (!r->wait(monitor_.timeout()) || !w->wait(monitor_.timeout())) throw std::runtime_error("Timed out");
-      at::Tensor mine = buf.narrow(0, recv_chunk * s, s);
-      if (op == ReduceOp::kMax) {
-        at::maximum_out(mine, mine, incoming);
-      } else {
-        mine.add_(incoming);
-      }
+  // Ring reduce-scatter of `in` (world_ chunks of s elements, the tail zero-padded) into `out`:
+  // in step k rank r sends its running sum of chunk r-k-1 to r+1 and receives r-1's running sum
+  // of chunk r-k-2, adding its own part. After world-1 steps it holds chunk r summed over all
+  // ranks. Each rank sends and receives (world-1)·s elements, and only chunk-sized scratch
+  // buffers (kept between calls) are touched: the input is read once and never copied whole.
+  void ring_reduce_scatter(const at::Tensor& in, const at::Tensor& out, int64_t s, uint64_t seq, ReduceOp op) {
+    const int64_t n = in.numel();
+    // Chunk c of the input, padded with zeros where it runs past the end.
+    auto chunk = [&](int64_t c) -> at::Tensor {
+      const int64_t begin = c * s;
+      if (begin + s <= n) return in.narrow(0, begin, s);
+      at::Tensor padded = at::zeros({s}, in.options());
+      if (begin < n) padded.narrow(0, 0, n - begin).copy_(in.narrow(0, begin, n - begin));
+      return padded;
+    };
+    if (world_ == 1 || s == 0) {
+      if (s > 0) out.copy_(chunk(rank_));
+      return;
     }
+    scratch(in, s);
+    const int next = (rank_ + 1) % world_, prev = (rank_ + world_ - 1) % world_;
+    // Each step's chunk goes in segments, all posted at once, so a large chunk streams instead of
+    // waiting on one huge message; the segment count stays within the tag's 10 bits.
+    const int64_t seg = std::max<int64_t>((s + 1023) / 1024, kSegmentBytes / static_cast<int64_t>(in.element_size()));
+    const int64_t nseg = (s + seg - 1) / seg;
+    at::Tensor incoming = scratch_[0].narrow(0, 0, s);
+    at::Tensor sending = chunk(((rank_ - 1) % world_ + world_) % world_);
+    for (int k = 0; k + 1 < world_; ++k) {
+      const int64_t recv_chunk = ((rank_ - k - 2) % world_ + world_) % world_;
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (int64_t g = 0; g < nseg; ++g) {
+        const int64_t off = g * seg, len = std::min(seg, s - off);
+        const int tag = static_cast<int>(((seq & 0x3FF) << 20) | (static_cast<uint64_t>(k & 0x3FF) << 10) |
+                                         static_cast<uint64_t>(g));
+        std::vector<at::Tensor> rx{incoming.narrow(0, off, len)};
+        std::vector<at::Tensor> tx{sending.narrow(0, off, len)};
+        works.push_back(pg_->recv(rx, prev, tag));
+        works.push_back(pg_->send(tx, next, tag));
+      }
+      for (auto& w : works) {
+        if (!w->wait(monitor_.timeout())) throw std::runtime_error("Timed out");
+      }
+      // The running sum goes to the buffer not being sent; the last one is the result.
+      at::Tensor sum = k + 2 == world_ ? out : scratch_[1 + (k % 2)].narrow(0, 0, s);
+      if (op == ReduceOp::kMax) {
+        at::maximum_out(sum, incoming, chunk(recv_chunk));
+      } else {
+        at::add_out(sum, incoming, chunk(recv_chunk));
+      }
+      sending = sum;
+    }
+  }
+
+  // Three chunk-sized buffers of in's dtype, reused while they are big enough.
+  void scratch(const at::Tensor& like, int64_t s) {
+    if (scratch_[0].defined() && scratch_[0].scalar_type() == like.scalar_type() && scratch_[0].numel() >= s) return;
+    for (auto& t : scratch_) t = at::empty({s}, like.options());
   }
 
   void ring_loop() {
@@ -314,6 +347,7 @@ class GlooCommunicator final : public Communicator {
   std::deque<std::function<void()>> ring_queue_;
   bool ring_stop_ = false;
   std::thread ring_thread_;
+  at::Tensor scratch_[3];  // used only on the ring thread
 };
 
 }  // namespace
