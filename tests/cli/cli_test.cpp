@@ -1,37 +1,16 @@
 // The `zeal` program, run as a user runs it: exit codes, messages and written files.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <array>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "engine/config/config.h"
+#include "tests/cli/run_zeal.h"
 
 namespace fs = std::filesystem;
 
 namespace {
-
-struct Result {
-  int status = -1;
-  std::string output;  // stdout and stderr together
-};
-
-// Runs `zeal ARGS` through the shell; `prefix` may set environment variables or pipe input.
-Result run_zeal(const std::string& args, const std::string& prefix = "") {
-  const std::string cmd = prefix + " " + ZEAL_CLI + " " + args + " 2>&1";
-  Result r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
 
 class CliTest : public ::testing::Test {
  protected:

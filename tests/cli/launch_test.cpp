@@ -18,31 +18,13 @@
 #include <sstream>
 #include <thread>
 
+#include "tests/cli/run_zeal.h"
+
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 namespace {
 
-struct Result {
-  int status = -1;
-  std::string output;
-  double seconds = 0;
-};
-
-Result run_zeal(const std::string& args, const std::string& prefix = "") {
-  const std::string cmd = prefix + " " + ZEAL_CLI + " " + args + " 2>&1";
-  Result r;
-  const auto t0 = Clock::now();
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int st = pclose(p);
-  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
 
 bool alive(pid_t pid) { return kill(pid, 0) == 0; }
 
