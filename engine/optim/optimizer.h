@@ -1,0 +1,70 @@
+// Optimizers on flat fp32 partitions: what a ZeRO rank owns is one contiguous slice of the
+// master weights, its gradient slice and the optimizer state for exactly that slice.
+//
+// These are the reference implementations (LibTorch tensor ops, the same arithmetic as
+// torch::optim's Adam, AdamW and SGD); the fused CPU/CUDA kernels plug in behind this interface.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+namespace at {
+class Tensor;
+}
+
+namespace zeal {
+struct OptimizerConfig;
+
+namespace optim {
+
+struct Hyper {
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double momentum = 0.0;  // SGD
+  bool nesterov = false;  // SGD
+};
+
+class Optimizer {
+ public:
+  explicit Optimizer(Hyper h) : hyper_(h) {}
+  virtual ~Optimizer() = default;
+
+  virtual std::string name() const = 0;
+  // One step over `params` (fp32, contiguous, 1-D) with `grads` (same size; fp32). State is
+  // created at the first step. Throws zeal::Error on a size change or wrong dtype.
+  virtual void step(const at::Tensor& params, const at::Tensor& grads) = 0;
+  // The state tensors by name ("exp_avg", "exp_avg_sq", "momentum_buffer"), for checkpoints.
+  virtual std::map<std::string, at::Tensor> state() const = 0;
+  // Bytes of optimizer state held (0 before the first step).
+  virtual int64_t state_bytes() const = 0;
+  // Bytes of state per parameter once created (Adam: 8, SGD with momentum: 4, else 0).
+  virtual int64_t state_bytes_per_param() const = 0;
+
+  double lr() const { return hyper_.lr; }
+  void set_lr(double lr) { hyper_.lr = lr; }
+  int64_t steps() const { return steps_; }
+  const Hyper& hyper() const { return hyper_; }
+
+ protected:
+  Hyper hyper_;
+  int64_t steps_ = 0;
+};
+
+// Adam with L2 weight decay added to the gradient (torch.optim.Adam).
+std::unique_ptr<Optimizer> make_adam(const Hyper& h);
+// Adam with decoupled weight decay (torch.optim.AdamW).
+std::unique_ptr<Optimizer> make_adamw(const Hyper& h);
+// SGD with optional momentum (dampening 0), Nesterov, and L2 weight decay (torch.optim.SGD).
+std::unique_ptr<Optimizer> make_sgd(const Hyper& h);
+
+// The optimizer the config names ("Adam", "AdamW", "SGD"; DeepSpeed's "Adam" with
+// `adam_w_mode` is not a key zeal reads: "AdamW" is). Throws zeal::Error for an unknown type
+// or an unresolved "auto".
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config);
+
+}  // namespace optim
+}  // namespace zeal

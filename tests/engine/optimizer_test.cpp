@@ -1,0 +1,93 @@
+// The flat-partition optimizers against LibTorch's own torch::optim on the same values, ten
+// steps with weight decay; plus state accounting and errors.
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <gtest/gtest.h>
+
+#include "engine/config/config.h"
+#include "engine/error.h"
+#include "engine/optim/optimizer.h"
+
+namespace zeal::optim {
+namespace {
+
+// Runs `ours` and `theirs` over the same 10 gradients; returns the largest relative difference.
+double run_both(Optimizer& ours, torch::optim::Optimizer& theirs, torch::Tensor& p_theirs, int64_t n) {
+  torch::manual_seed(7);
+  at::Tensor p_ours = p_theirs.detach().clone();
+  for (int step = 0; step < 10; ++step) {
+    at::Tensor g = torch::randn({n}) * (step + 1);
+    ours.step(p_ours, g);
+    p_theirs.mutable_grad() = g.clone();
+    theirs.step();
+  }
+  return ((p_ours - p_theirs.detach()).abs() / p_theirs.detach().abs().clamp_min(1e-12)).max().item<double>();
+}
+
+TEST(Optimizer, AdamWMatchesTorchOptimAdamW) {
+  const int64_t n = 1001;
+  torch::Tensor p = torch::randn({n}).requires_grad_(true);
+  Hyper h{.lr = 1e-2, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6, .weight_decay = 0.1};
+  auto ours = make_adamw(h);
+  torch::optim::AdamW theirs({p}, torch::optim::AdamWOptions(1e-2).betas({0.8, 0.99}).eps(1e-6).weight_decay(0.1));
+  EXPECT_LE(run_both(*ours, theirs, p, n), 1e-6);
+  EXPECT_EQ(ours->steps(), 10);
+  EXPECT_EQ(ours->state_bytes(), 8 * n);
+}
+
+TEST(Optimizer, AdamMatchesTorchOptimAdamWithL2) {
+  const int64_t n = 777;
+  torch::Tensor p = torch::randn({n}).requires_grad_(true);
+  Hyper h{.lr = 3e-3, .weight_decay = 0.01};
+  auto ours = make_adam(h);
+  torch::optim::Adam theirs({p}, torch::optim::AdamOptions(3e-3).weight_decay(0.01));
+  EXPECT_LE(run_both(*ours, theirs, p, n), 1e-6);
+}
+
+TEST(Optimizer, SgdMomentumAndNesterovMatchTorchOptimSGD) {
+  for (bool nesterov : {false, true}) {
+    const int64_t n = 513;
+    torch::Tensor p = torch::randn({n}).requires_grad_(true);
+    Hyper h{.lr = 0.05, .weight_decay = 1e-3, .momentum = 0.9, .nesterov = nesterov};
+    auto ours = make_sgd(h);
+    torch::optim::SGD theirs({p}, torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(nesterov).weight_decay(1e-3));
+    EXPECT_LE(run_both(*ours, theirs, p, n), 1e-6) << "nesterov " << nesterov;
+    EXPECT_EQ(ours->state_bytes(), 4 * n);
+  }
+}
+
+TEST(Optimizer, LearningRateChangesTakeEffect) {
+  // lr 0 leaves AdamW's parameters where they were (decoupled decay is lr-scaled too).
+  auto opt = make_adamw(Hyper{.lr = 1e-2, .weight_decay = 0.5});
+  at::Tensor p = torch::randn({100});
+  const at::Tensor before = p.clone();
+  opt->set_lr(0.0);
+  opt->step(p, torch::randn({100}));
+  EXPECT_TRUE(at::equal(p, before));
+  opt->set_lr(1e-2);
+  opt->step(p, torch::randn({100}));
+  EXPECT_FALSE(at::equal(p, before));
+}
+
+TEST(Optimizer, FromConfigAndErrors) {
+  Config c = Config::parse(R"({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.5}}})", "ds.json");
+  auto opt = make_optimizer(c.optimizer);
+  EXPECT_EQ(opt->name(), "SGD");
+  EXPECT_DOUBLE_EQ(opt->lr(), 0.1);
+  EXPECT_EQ(opt->state_bytes_per_param(), 4);
+  at::Tensor p = torch::zeros({4});
+  EXPECT_THROW(opt->step(p, torch::zeros({5})), Error);
+  EXPECT_THROW(opt->step(p, torch::zeros({4}, torch::kBFloat16)), Error);
+  Config autos = Config::parse(R"({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})", "ds.json");
+  try {
+    make_optimizer(autos.optimizer);
+    FAIL() << "an unresolved auto was used";
+  } catch (const zeal::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer.params.lr is \"auto\""), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace zeal::optim
