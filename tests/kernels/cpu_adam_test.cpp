@@ -2,6 +2,7 @@
 // scalar path bit for bit, and the bf16/fp16 conversions against independent nearest-value searches.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -14,16 +15,8 @@ using namespace zeal::cpu;
 
 namespace {
 
-float f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint32_t u32(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
+float f32(uint32_t u) { return std::bit_cast<float>(u); }
+uint32_t u32(float f) { return std::bit_cast<uint32_t>(f); }
 
 // Independent decodings (by formula, not by bit tricks).
 double half_value(uint16_t h) {
