@@ -3,6 +3,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include "engine/config/config.h"
+#include "engine/launch/launcher.h"
+
 namespace zeal::cli {
 
 // Each registers its subcommand on `app`; the returned function runs it once parsed and returns
@@ -15,6 +18,12 @@ Runner add_test_command(CLI::App& app);
 
 // Adds --mixed_precision, --zero_stage, … to `cmd`, storing given values in `values`.
 void add_override_flags(CLI::App& cmd, std::map<std::string, std::string>& values);
+
+// The launch settings `zeal launch` and `zeal test` share: the config (--config_file, else the
+// default config when it exists) with `flags` applied, and the launcher options it implies.
+Config load_launch_config(const std::string& config_file, const std::map<std::string, std::string>& flags,
+                          std::string* used_file);
+LaunchOptions launch_options_from(const Config& c, const std::string& file, const std::map<std::string, std::string>& flags);
 
 // Prints a zeal::Error or ConfigError the way every subcommand does and returns exit status 2.
 int report_error(const std::exception& e);

@@ -17,10 +17,6 @@
 
 namespace zeal::cli {
 
-Config load_launch_config(const std::string& config_file, const std::map<std::string, std::string>& flags,
-                          std::string* used_file);
-LaunchOptions launch_options_from(const Config& c, const std::string& file, const std::map<std::string, std::string>& flags);
-
 namespace {
 
 std::string self_path() {
@@ -32,10 +28,8 @@ std::string self_path() {
 
 int worker(const std::string& backend) {
   const auto t0 = std::chrono::steady_clock::now();
-  Config c = Config::defaults(true);
-  if (const char* f = std::getenv("ZEAL_CONFIG_FILE")) c = Config::load(f, true);
-  if (const char* ws = std::getenv("WORLD_SIZE")) c.set("num_processes", ws, {Origin::Kind::kEnvironment, "WORLD_SIZE"});
-  Runtime rt(c);
+  const char* no_args[] = {"zeal"};
+  Runtime rt(Config::from_env_or_file(1, no_args));
   const bool cuda = backend == "nccl";
   Communicator& comm = cuda ? rt.cuda_comm() : rt.comm();
   const auto results = run_collective_checks(comm, cuda);
