@@ -39,7 +39,6 @@ Monitor::Monitor(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int 
                  std::chrono::milliseconds timeout, bool debug)
     : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), world_(world), timeout_(timeout),
       debug_(debug) {
-  current_ = "0 none";
   store_->set(fmt::format("{}progress/{}", prefix_, rank_), to_bytes("0 0 none"));
   thread_ = std::thread([this] { heartbeat(); });
 }
@@ -56,19 +55,18 @@ Monitor::~Monitor() {
 void Monitor::heartbeat() {
   // Posts "<seq> <beat> <collective>" when the collective changes and at least every
   // kAliveEvery, so others can tell a live rank that is elsewhere from one that is gone.
-  uint64_t beat = 0;
-  std::string posted;
+  // The text is built here, off the collectives' path.
+  uint64_t beat = 0, posted = 0;
   auto last = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     cv_.wait_for(lock, kHeartbeat);
     if (stop_) break;
     const auto now = std::chrono::steady_clock::now();
-    if (current_ == posted && now - last < kAliveEvery) continue;
-    posted = current_;
+    if (current_.seq == posted && now - last < kAliveEvery) continue;
+    posted = current_.seq;
     last = now;
-    const std::string value = fmt::format("{} {} {}", posted.substr(0, posted.find(' ')), ++beat,
-                                          posted.substr(posted.find(' ') + 1));
+    const std::string value = fmt::format("{} {} {}", current_.seq, ++beat, current_.describe());
     lock.unlock();
     try {
       store_->set(fmt::format("{}progress/{}", prefix_, rank_), to_bytes(value));
@@ -84,7 +82,7 @@ OpInfo Monitor::begin(std::string name, int64_t numel, std::string dtype) {
   seq_.store(op.seq);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    current_ = fmt::format("{} {}", op.seq, op.describe());
+    current_ = op;
   }
   if (debug_) compare(op);
   return op;

@@ -1,8 +1,8 @@
 // Sequence numbers, check-ins and the hang report shared by the communicators (internal).
 //
 // Each rank publishes the sequence number of the collective it last entered to the store from a
-// background thread (so the hot path costs one atomic store). When a collective fails or times
-// out, the rank reads every rank's progress and names the ranks that never reached it. With
+// background thread (the collective itself only bumps a counter and copies its description under
+// a mutex; no store traffic, no formatting). When a collective fails or times out, the rank reads every rank's progress and names the ranks that never reached it. With
 // ZEAL_DEBUG_COLLECTIVES=1, ranks exchange (operation, sequence, size, dtype) through the store
 // before every collective and fail with both sides of any difference.
 #pragma once
@@ -56,7 +56,7 @@ class Monitor {
   bool debug_;
   std::atomic<uint64_t> seq_{0};
   std::mutex mu_;
-  std::string current_;  // seq and description of the collective last entered, guarded by mu_
+  OpInfo current_;  // the collective last entered (seq 0: none yet), guarded by mu_
   std::condition_variable cv_;
   bool stop_ = false;
   std::thread thread_;
