@@ -2,7 +2,8 @@
 //
 // Each rank publishes the sequence number of the collective it last entered to the store from a
 // background thread (the collective itself only bumps a counter and copies its description under
-// a mutex; no store traffic, no formatting). When a collective fails or times out, the rank reads every rank's progress and names the ranks that never reached it. With
+// a mutex; no store traffic, no formatting). When a collective fails or times out, the rank
+// reads every rank's progress and names the ranks that never reached it. With
 // ZEAL_DEBUG_COLLECTIVES=1, ranks exchange (operation, sequence, size, dtype) through the store
 // before every collective and fail with both sides of any difference.
 #pragma once
