@@ -106,7 +106,6 @@ int main(int argc, char** argv) {
   std::printf("single-thread memcpy bandwidth (the copy every loopback byte costs): %.2f GB/s\n\n", memcpy_gbs());
   std::fflush(stdout);
 
-  const std::string out_path = json.empty() ? "/tmp/comm_bench_rows.txt" : json + ".rows";
   zeal::SpawnOptions so;
   so.comm_timeout = 600;
   auto results = zeal::spawn(
@@ -161,9 +160,19 @@ int main(int argc, char** argv) {
             std::fflush(stdout);
           }
         }
-        if (rt.rank() == 0) {
-          std::ofstream f(out_path);
-          for (const auto& r : rows) f << r.op << ' ' << r.bytes << ' ' << r.zeal_s << ' ' << r.c10d_s << '\n';
+        if (rt.rank() == 0 && !json.empty()) {
+          std::ofstream f(json);
+          f << "{\"world\": " << n << ", \"dtype\": \"float32\", \"rows\": [";
+          for (size_t i = 0; i < rows.size(); ++i) {
+            const Row& r = rows[i];
+            const double factor = (r.op == "all_reduce" ? 2.0 : 1.0) * (n - 1) / n;
+            f << (i ? "," : "") << "\n  {\"op\": \"" << r.op << "\", \"bytes\": " << r.bytes
+              << ", \"zeal_seconds\": " << r.zeal_s << ", \"c10d_seconds\": " << r.c10d_s
+              << ", \"zeal_busbw_gbs\": " << r.bytes / r.zeal_s / 1e9 * factor
+              << ", \"c10d_busbw_gbs\": " << r.bytes / r.c10d_s / 1e9 * factor << ", \"ratio\": " << r.c10d_s / r.zeal_s
+              << "}";
+          }
+          f << "\n]}\n";
         }
       },
       world, so);
@@ -171,24 +180,6 @@ int main(int argc, char** argv) {
   if (!failures.empty()) {
     std::fprintf(stderr, "comm_bench failed:\n%s", failures.c_str());
     return 1;
-  }
-  if (!json.empty()) {
-    std::ifstream in(out_path);
-    std::ofstream f(json);
-    f << "{\"world\": " << world << ", \"dtype\": \"float32\", \"rows\": [";
-    std::string op;
-    int64_t bytes;
-    double z, c;
-    bool first = true;
-    while (in >> op >> bytes >> z >> c) {
-      const double factor = (op == "all_reduce" ? 2.0 : 1.0) * (world - 1) / world;
-      f << (first ? "" : ",") << "\n  {\"op\": \"" << op << "\", \"bytes\": " << bytes << ", \"zeal_seconds\": " << z
-        << ", \"c10d_seconds\": " << c << ", \"zeal_busbw_gbs\": " << bytes / z / 1e9 * factor
-        << ", \"c10d_busbw_gbs\": " << bytes / c / 1e9 * factor << ", \"ratio\": " << c / z << "}";
-      first = false;
-    }
-    f << "\n]}\n";
-    std::remove(out_path.c_str());
   }
   return 0;
 }
