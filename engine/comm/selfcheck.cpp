@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
+#include <thread>
+
 #include <fmt/format.h>
 
 #include "engine/comm/communicator.h"
@@ -119,9 +122,19 @@ std::vector<CheckResult> run_collective_checks(Communicator& comm, bool cuda, st
              ts[k], want);
     }
   }
-  {
+  {  // Rank 0 arrives 200 ms late: no rank may leave the barrier before it arrived.
+    using namespace std::chrono;
+    auto now_us = [] { return duration_cast<microseconds>(system_clock::now().time_since_epoch()).count(); };
+    if (rank == 0) std::this_thread::sleep_for(milliseconds(200));
+    at::Tensor last_arrival = at::full({1}, static_cast<int64_t>(now_us()), where.dtype(at::kLong));
     comm.barrier().wait();
-    results.push_back({"barrier", true, ""});
+    const int64_t left = now_us();
+    comm.all_reduce(last_arrival, ReduceOp::kMax).wait();
+    const int64_t last = last_arrival.cpu().item<int64_t>();
+    // Machines' clocks may disagree by a little; 50 ms is far below the 200 ms a broken barrier shows.
+    const bool ok = left >= last - 50000;
+    results.push_back({"barrier holds every rank until the last one arrives", ok,
+                       ok ? "" : fmt::format("rank {} left {:.1f} ms before the last rank arrived", rank, (last - left) / 1e3)});
   }
 
   // A check passes only where it passed on every rank.
