@@ -24,8 +24,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-[[noreturn]] void run_child(const std::function<void(Runtime&)>& fn, int rank, int nprocs, int port, int report_fd,
+[[noreturn]] void run_child(const std::function<void(Runtime&)>& fn, int rank, int nprocs, int go_fd, int report_fd,
                             const SpawnOptions& o) {
+  // The parent hosts the store only once every child exists (see spawn): wait for its port.
+  int port = 0;
+  if (read(go_fd, &port, sizeof port) != static_cast<ssize_t>(sizeof port)) std::_Exit(3);
+  close(go_fd);
   setenv("RANK", std::to_string(rank).c_str(), 1);
   setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
   setenv("WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
@@ -67,35 +71,58 @@ using Clock = std::chrono::steady_clock;
 
 std::vector<RankResult> spawn(const std::function<void(Runtime&)>& fn, int nprocs, const SpawnOptions& o) {
   if (nprocs < 1) throw Error(fmt::format("spawn: nprocs must be at least 1, got {}", nprocs));
-  c10d::TCPStoreOptions so;
-  so.port = 0;  // any free port
-  so.isServer = true;
-  so.waitWorkers = false;
-  so.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.comm_timeout * 1000.0));
-  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-  const int port = store->getPort();
-
   std::fflush(stdout);
   std::fflush(stderr);
   std::vector<RankResult> results(nprocs);
   std::vector<pid_t> pids(nprocs, -1);
   std::vector<int> report(nprocs, -1);
   std::vector<bool> running(nprocs, false);
+  // Every child is forked before the store exists: forking while the store's server thread runs
+  // (serving the ranks forked first) can copy a lock that thread holds into the child, which
+  // then hangs. Each child waits on its own pipe for the port.
+  std::vector<int> go(nprocs, -1);
   for (int r = 0; r < nprocs; ++r) {
-    int fds[2];
-    if (pipe2(fds, O_CLOEXEC) != 0) throw Error(std::string("spawn: pipe: ") + std::strerror(errno));
+    int fds[2], go_fds[2];
+    if (pipe2(fds, O_CLOEXEC) != 0 || pipe2(go_fds, O_CLOEXEC) != 0) {
+      throw Error(std::string("spawn: pipe: ") + std::strerror(errno));
+    }
     const pid_t pid = fork();
     if (pid < 0) throw Error(std::string("spawn: fork: ") + std::strerror(errno));
     if (pid == 0) {
       close(fds[0]);
-      run_child(fn, r, nprocs, port, fds[1], o);
+      close(go_fds[1]);
+      run_child(fn, r, nprocs, go_fds[0], fds[1], o);
     }
     close(fds[1]);
+    close(go_fds[0]);
+    go[r] = go_fds[1];
     fcntl(fds[0], F_SETFL, O_NONBLOCK);
     pids[r] = pid;
     report[r] = fds[0];
     running[r] = true;
     results[r].rank = r;
+  }
+  c10d::TCPStoreOptions so;
+  so.port = 0;  // any free port
+  so.isServer = true;
+  so.waitWorkers = false;
+  so.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.comm_timeout * 1000.0));
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  } catch (...) {
+    // The children read end-of-file instead of a port and exit.
+    for (int r = 0; r < nprocs; ++r) {
+      close(go[r]);
+      waitpid(pids[r], nullptr, 0);
+      close(report[r]);
+    }
+    throw;
+  }
+  const int port = store->getPort();
+  for (int r = 0; r < nprocs; ++r) {
+    [[maybe_unused]] ssize_t n = write(go[r], &port, sizeof port);
+    close(go[r]);
   }
 
   auto read_report = [&](int r) {
