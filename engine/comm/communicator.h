@@ -74,10 +74,12 @@ class Communicator {
   virtual std::string backend() const = 0;  // "gloo" or "nccl"
 
   // shard: shard_size(output.numel()) elements; output: the flat buffer, every rank's shard in
-  // rank order. Both contiguous, same dtype and device.
+  // rank order. Both contiguous, same dtype and device. The shard may be this rank's own slice
+  // of the output (in place).
   virtual Work all_gather(const at::Tensor& shard, const at::Tensor& output) = 0;
   // input: the flat buffer; shard receives this rank's shard_size(input.numel()) elements of
-  // the element-wise reduction over ranks (kSum or kAvg).
+  // the element-wise reduction over ranks (kSum or kAvg). The shard may be this rank's own slice
+  // of the input (in place) when the input's size is a multiple of the world size.
   virtual Work reduce_scatter(const at::Tensor& input, const at::Tensor& shard, ReduceOp op) = 0;
   // In place: every rank ends with the reduction (kSum, kAvg or kMax).
   virtual Work all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;

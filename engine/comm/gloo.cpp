@@ -69,6 +69,12 @@ constexpr int64_t kSegmentBytes = 4 << 20;
 
 std::string dtype_of(const at::Tensor& t) { return dtype_name(c10::toString(t.scalar_type())); }
 
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  const auto* a0 = static_cast<const char*>(a.data_ptr());
+  const auto* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
 void divide(const at::Tensor& t, int world) {
   if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
     t.div_(world, "trunc");
@@ -188,6 +194,9 @@ class GlooCommunicator final : public Communicator {
     at::Tensor out = output.view({-1});
     at::Tensor in = shard.view({-1});
     at::Tensor target = s * world_ == output.numel() ? out : at::empty({s * world_}, output.options());
+    // In place (the shard is this rank's slice of the output, as ZeRO's flat buffers do it): Gloo
+    // copies the input into the output first, so give it a copy rather than the same memory.
+    if (overlaps(in, target)) in = in.clone();
     work->works.push_back(pg_->_allgather_base(target, in));
     if (!target.is_same(out)) work->finish = [target, out] { out.copy_(target.narrow(0, 0, out.numel())); };
     return Work(work);

@@ -1,0 +1,556 @@
+#include "engine/engine.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/GradMode.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <map>
+#include <unordered_map>
+
+#include <fmt/format.h>
+
+#include "engine/error.h"
+#include "engine/optim/loss_scale.h"
+#include "engine/optim/optimizer.h"
+#include "engine/runtime/runtime.h"
+#include "engine/zero/zero_optimizer.h"
+
+namespace zeal {
+
+struct Engine::State {
+  std::shared_ptr<torch::nn::Module> module;
+  torch::optim::Optimizer* torch_optimizer = nullptr;
+  std::unique_ptr<zero::ZeroOptimizer> zero;
+  // Schedules: LibTorch ones step the LibTorch optimizer's rates; zeal ones give the rate of
+  // optimizer step t directly (the config's, or one the program prepared).
+  struct Scheduler {
+    torch::optim::LRScheduler* torch = nullptr;
+    std::shared_ptr<optim::LrSchedule> zeal;
+    int64_t seen_steps = 0;  // optimizer steps this scheduler has been stepped for
+  };
+  std::vector<Scheduler> schedulers;
+  std::shared_ptr<optim::LrSchedule> config_schedule;
+  std::vector<double> base_lrs;  // per group, when no LibTorch optimizer gives them
+  std::unique_ptr<LossScaler> scaler;
+  std::shared_ptr<data::Progress> progress = std::make_shared<data::Progress>();
+  int64_t loader_batch_size = 0;
+  bool backward_in_micro_step = false, grads_pending = false;
+};
+
+namespace {
+
+at::ScalarType dtype_of(Precision p) {
+  switch (p) {
+    case Precision::kFp16: return at::kHalf;
+    case Precision::kBf16: return at::kBFloat16;
+    default: return at::kFloat;
+  }
+}
+
+// Hyperparameters of a LibTorch optimizer's parameter group, and the zeal optimizer for them.
+std::unique_ptr<optim::Optimizer> optimizer_for(torch::optim::OptimizerOptions& options, size_t group) {
+  optim::Hyper h;
+  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+    if (o->amsgrad()) throw Error(fmt::format("parameter group {}: AdamW with amsgrad is not supported", group));
+    h.lr = o->lr();
+    h.beta1 = std::get<0>(o->betas());
+    h.beta2 = std::get<1>(o->betas());
+    h.eps = o->eps();
+    h.weight_decay = o->weight_decay();
+    return optim::make_adamw(h);
+  }
+  if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
+    if (o->amsgrad()) throw Error(fmt::format("parameter group {}: Adam with amsgrad is not supported", group));
+    h.lr = o->lr();
+    h.beta1 = std::get<0>(o->betas());
+    h.beta2 = std::get<1>(o->betas());
+    h.eps = o->eps();
+    h.weight_decay = o->weight_decay();
+    return optim::make_adam(h);
+  }
+  if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
+    if (o->dampening() != 0) throw Error(fmt::format("parameter group {}: SGD with dampening is not supported", group));
+    h.lr = o->lr();
+    h.momentum = o->momentum();
+    h.weight_decay = o->weight_decay();
+    h.nesterov = o->nesterov();
+    return optim::make_sgd(h);
+  }
+  throw Error("zeal shards torch::optim::Adam, AdamW and SGD; this optimizer is none of them (or set optimizer.type "
+              "in the config)");
+}
+
+}  // namespace
+
+// --- construction ------------------------------------------------------------------------------
+
+Engine::Engine(Config config)
+    : config_(std::move(config)), owned_runtime_(std::make_unique<Runtime>(config_)), runtime_(owned_runtime_.get()),
+      compute_dtype_(dtype_of(config_.precision())), state_(std::make_unique<State>()) {
+  init();
+}
+
+Engine::Engine(Config config, Runtime& runtime)
+    : config_(std::move(config)), runtime_(&runtime), compute_dtype_(dtype_of(config_.precision())),
+      state_(std::make_unique<State>()) {
+  init();
+}
+
+Engine::~Engine() = default;
+
+void Engine::init() {
+  const auto& z = config_.zero;
+  if (z.stage == 3) {
+    throw Error(fmt::format("zero_optimization.stage 3 ({}): stage 3 is not available in this version; use 0, 1 or 2",
+                            config_.origins.count("zero_optimization.stage")
+                                ? config_.origins.at("zero_optimization.stage").describe()
+                                : "config"));
+  }
+  if (z.offload_optimizer.device != OffloadDevice::kNone || z.offload_param.device != OffloadDevice::kNone) {
+    throw Error("zero_optimization.offload_optimizer / offload_param: offload is not available in this version; set "
+                "the device to none");
+  }
+  // The world comes from the runtime; "auto" sizes that depend on the model's hidden size take
+  // DeepSpeed's defaults here (the engine does not know the hidden size).
+  config_.launch.num_processes = runtime_->world_size();
+  auto fill = [](auto& a, auto value) {
+    if (a.is_auto) a = {value, false};
+  };
+  fill(config_.zero.reduce_bucket_size, int64_t{500'000'000});
+  fill(config_.zero.stage3_prefetch_bucket_size, int64_t{50'000'000});
+  fill(config_.zero.stage3_param_persistence_threshold, int64_t{100'000});
+  accumulation_steps_ = config_.gradient_accumulation_steps.is_auto ? 1 : config_.gradient_accumulation_steps.value;
+  if (accumulation_steps_ < 1) {
+    throw Error(fmt::format("gradient_accumulation_steps must be at least 1, got {}", accumulation_steps_));
+  }
+  const bool use_cuda = !config_.launch.use_cpu && at::detail::getCUDAHooks().hasCUDA() &&
+                        at::detail::getCUDAHooks().deviceCount() > 0;
+  if (use_cuda) {
+    device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(runtime_->local_rank() %
+                                                                   at::detail::getCUDAHooks().deviceCount()));
+  }
+  if (config_.precision() == Precision::kFp16) state_->scaler = std::make_unique<LossScaler>(config_.fp16);
+}
+
+Communicator& Engine::comm() { return device_.is_cuda() ? runtime_->cuda_comm() : runtime_->comm(); }
+
+void Engine::prepare_module(std::shared_ptr<torch::nn::Module> module) {
+  if (!module) throw Error("engine.prepare: the model is empty");
+  if (state_->module && state_->module != module) throw Error("engine.prepare: one engine trains one model");
+  if (state_->zero) throw Error("engine.prepare: the model was already prepared with its optimizer");
+  module->to(device_);
+  state_->module = std::move(module);
+}
+
+void Engine::prepare_optimizer(torch::optim::Optimizer* optimizer) {
+  if (!config_.optimizer.type.empty()) {
+    throw Error(fmt::format("the config names an optimizer (optimizer.type: {}) and the program prepares one too; "
+                            "remove one of them",
+                            config_.optimizer.type));
+  }
+  if (state_->torch_optimizer && state_->torch_optimizer != optimizer) {
+    throw Error("engine.prepare: one engine takes one optimizer (use parameter groups for different settings)");
+  }
+  if (state_->zero) throw Error("engine.prepare: the optimizer was already prepared");
+  state_->torch_optimizer = optimizer;
+}
+
+int Engine::add_scheduler(torch::optim::LRScheduler* torch_scheduler, std::shared_ptr<optim::LrSchedule> schedule) {
+  if (!config_.scheduler.type.empty()) {
+    throw Error(fmt::format("the config names a scheduler (scheduler.type: {}) and the program prepares one too; "
+                            "remove one of them",
+                            config_.scheduler.type));
+  }
+  state_->schedulers.push_back({torch_scheduler, std::move(schedule), optimizer_steps_});
+  return static_cast<int>(state_->schedulers.size()) - 1;
+}
+
+data::Binding Engine::binding() {
+  data::Binding b;
+  b.rank = runtime_->rank();
+  b.world_size = runtime_->world_size();
+  b.device = device_;
+  b.progress = state_->progress;
+  return b;
+}
+
+void Engine::finish_prepare() {
+  if (state_->zero || !state_->module) return;
+  if (!state_->torch_optimizer && config_.optimizer.type.empty()) return;
+  build_zero();
+}
+
+void Engine::build_zero() {
+  auto& module = *state_->module;
+  // Resolve what the program now knows.
+  ProgramValues pv;
+  pv.world_size = runtime_->world_size();
+  if (state_->torch_optimizer) {
+    pv.lr = state_->torch_optimizer->param_groups().at(0).options().get_lr();
+  }
+  if (config_.train_micro_batch_size_per_gpu.is_auto && !pv.micro_batch_size) {
+    config_.train_micro_batch_size_per_gpu = {0, false};
+  }
+  config_.resolve_auto(pv);
+  accumulation_steps_ = config_.gradient_accumulation_steps.value;
+
+  // Parameters in registration order; which are trainable.
+  std::unordered_map<const void*, int> index;
+  std::vector<at::Tensor> all;
+  std::vector<std::string> names;
+  for (auto& item : module.named_parameters(true)) {
+    index.emplace(item.value().unsafeGetTensorImpl(), static_cast<int>(all.size()));
+    all.push_back(item.value());
+    names.push_back(item.key());
+  }
+  std::vector<int> group_of(all.size(), -1);
+  std::vector<zero::ZeroOptimizer::Group> groups;
+  if (state_->torch_optimizer) {
+    auto& pgs = state_->torch_optimizer->param_groups();
+    for (size_t g = 0; g < pgs.size(); ++g) {
+      for (size_t k = 0; k < pgs[g].params().size(); ++k) {
+        auto it = index.find(pgs[g].params()[k].unsafeGetTensorImpl());
+        if (it == index.end()) {
+          throw Error(fmt::format("parameter {} of the optimizer's group {} is not a parameter of the prepared model", k, g));
+        }
+        if (group_of[it->second] >= 0) {
+          throw Error(fmt::format("parameter '{}' is in the optimizer's groups {} and {}", names[it->second],
+                                  group_of[it->second], g));
+        }
+        group_of[it->second] = static_cast<int>(g);
+      }
+      groups.push_back({{}, {}, optimizer_for(pgs[g].options(), g)});
+      state_->base_lrs.push_back(pgs[g].options().get_lr());
+    }
+  } else {
+    groups.push_back({{}, {}, optim::make_optimizer(config_.optimizer)});
+    state_->base_lrs.push_back(config_.optimizer.lr.value);
+    for (size_t i = 0; i < all.size(); ++i) group_of[i] = 0;
+  }
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> frozen;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (!all[i].requires_grad()) {
+      frozen.push_back(all[i]);
+      continue;
+    }
+    if (group_of[i] < 0) {
+      throw Error(fmt::format("parameter '{}' requires grad but is in none of the optimizer's groups; freeze it "
+                              "(requires_grad(false)) or give it to the optimizer",
+                              names[i]));
+    }
+    groups[group_of[i]].params.push_back(all[i]);
+    groups[group_of[i]].names.push_back(names[i]);
+  }
+  // Frozen parameters and buffers: rank 0's values everywhere (as DDP does); frozen parameters
+  // compute in the compute dtype too.
+  Communicator& c = comm();
+  std::vector<at::Tensor> to_sync = frozen;
+  for (auto& b : module.buffers(true)) to_sync.push_back(b);
+  if (c.world_size() > 1) {
+    std::vector<Work> works;
+    for (auto& t : to_sync) {
+      if (t.numel() > 0 && t.is_contiguous()) works.push_back(c.broadcast(t, 0));
+    }
+    for (auto& w : works) w.wait();
+  }
+  for (auto& p : frozen) {
+    if (at::isFloatingType(p.scalar_type()) && p.scalar_type() != compute_dtype_) p.set_data(p.to(compute_dtype_));
+  }
+  zero::GroupOptions o;
+  o.stage = static_cast<int>(config_.zero.stage);
+  o.compute_dtype = compute_dtype_;
+  o.bucket_elems = config_.zero.reduce_bucket_size.value;
+  o.overlap_comm = config_.zero.overlap_comm;
+  state_->zero = std::make_unique<zero::ZeroOptimizer>(c, std::move(groups), o);
+  state_->config_schedule = optim::make_schedule(config_.scheduler, state_->base_lrs.at(0));
+}
+
+// --- the step ----------------------------------------------------------------------------------
+
+Engine::AccumulateGuard Engine::accumulate() {
+  begin_micro_step();
+  guard_open_ = true;
+  return AccumulateGuard(this);
+}
+
+Engine::AccumulateGuard::~AccumulateGuard() {
+  if (e_) e_->guard_open_ = false;
+}
+
+void Engine::begin_micro_step() {
+  // Accelerate's rule: sync every accumulation_steps-th micro-step and at the end of the data.
+  if (state_->progress->active && state_->progress->end_of_dataloader) {
+    micro_steps_ = 0;
+    sync_ = true;
+  } else {
+    ++micro_steps_;
+    sync_ = micro_steps_ % accumulation_steps_ == 0;
+  }
+  state_->backward_in_micro_step = false;
+  if (state_->zero) state_->zero->begin_micro_step(sync_);
+}
+
+void Engine::backward(const at::Tensor& loss) {
+  if (!state_->zero) throw Error("engine.backward: prepare the model and an optimizer first");
+  if (!guard_open_) begin_micro_step();
+  if (state_->backward_in_micro_step && (sync_ || state_->zero->stage() == 2)) {
+    throw Error("engine.backward was called twice in one micro-step; add the losses and call it once");
+  }
+  state_->backward_in_micro_step = true;
+  double factor = 1.0 / static_cast<double>(accumulation_steps_);
+  if (state_->scaler) factor *= state_->scaler->scale();
+  (factor == 1.0 ? loss : loss * factor).backward();
+  state_->zero->end_backward();
+  state_->grads_pending = true;
+}
+
+double Engine::inv_scale() const { return state_->scaler ? 1.0 / state_->scaler->scale() : 1.0; }
+
+double Engine::loss_scale() const { return state_->scaler ? state_->scaler->scale() : 1.0; }
+
+std::vector<double> Engine::learning_rates() const {
+  const size_t n = state_->zero->num_groups();
+  std::shared_ptr<optim::LrSchedule> zeal_schedule = state_->config_schedule;
+  for (auto& s : state_->schedulers) {
+    if (s.zeal) zeal_schedule = s.zeal;
+  }
+  if (zeal_schedule) return std::vector<double>(n, zeal_schedule->lr_at(optimizer_steps_));
+  if (state_->torch_optimizer) {
+    std::vector<double> out;
+    for (auto& g : state_->torch_optimizer->param_groups()) out.push_back(g.options().get_lr());
+    return out;
+  }
+  return state_->base_lrs;
+}
+
+void Engine::step() {
+  if (!state_->zero) throw Error("engine.step: prepare the model and an optimizer first");
+  if (!sync_ || !state_->grads_pending) return;
+  const double clip = config_.gradient_clipping.value;
+  const auto r = state_->zero->step(inv_scale(), clip, learning_rates());
+  state_->grads_pending = false;
+  last_grad_norm_ = r.grad_norm;
+  last_step_skipped_ = !r.stepped;
+  if (state_->scaler) {
+    state_->scaler->update(!r.stepped);
+  } else if (!r.stepped && is_main_process()) {
+    std::cerr << fmt::format("zeal: optimizer step {} skipped: the gradients hold inf or nan (norm {})\n",
+                             optimizer_steps_ + 1, r.grad_norm);
+  }
+  if (r.stepped) ++optimizer_steps_;
+}
+
+void Engine::zero_grad() {
+  // Inside an accumulation the gradients are the sum so far: only the sync micro-step clears.
+  if (!sync_) return;
+  if (state_->zero) state_->zero->zero_grad();
+  state_->grads_pending = false;
+}
+
+double Engine::clip_grad_norm_(double max_norm, double norm_type) {
+  if (!state_->zero) throw Error("engine.clip_grad_norm_: prepare the model and an optimizer first");
+  if (!sync_) {
+    throw Error("engine.clip_grad_norm_ on a micro-step that does not sync gradients: clip only when "
+                "engine.sync_gradients() is true");
+  }
+  return state_->zero->clip_grad_norm(max_norm, norm_type, inv_scale());
+}
+
+void Engine::clip_grad_value_(double clip_value) {
+  if (!state_->zero) throw Error("engine.clip_grad_value_: prepare the model and an optimizer first");
+  if (!sync_) {
+    throw Error("engine.clip_grad_value_ on a micro-step that does not sync gradients: clip only when "
+                "engine.sync_gradients() is true");
+  }
+  state_->zero->clip_grad_value(clip_value, inv_scale());
+}
+
+void PreparedOptimizer::step() { engine_->step(); }
+void PreparedOptimizer::zero_grad() { engine_->zero_grad(); }
+bool PreparedOptimizer::step_was_skipped() const { return engine_->optimizer_step_was_skipped(); }
+
+void PreparedScheduler::step() { engine_->scheduler_step(index_); }
+double PreparedScheduler::last_lr() const { return engine_->scheduler_last_lr(index_); }
+
+// A LibTorch scheduler steps once per optimizer step that ran; zeal schedules follow the
+// engine's step count by themselves.
+void Engine::scheduler_step(int index) {
+  auto& s = state_->schedulers.at(index);
+  if (s.seen_steps == optimizer_steps_) return;
+  s.seen_steps = optimizer_steps_;
+  if (s.torch) s.torch->step();
+}
+
+double Engine::scheduler_last_lr(int index) const {
+  auto& s = state_->schedulers.at(index);
+  if (s.zeal) return s.zeal->lr_at(std::max<int64_t>(optimizer_steps_ - 1, 0));
+  if (state_->torch_optimizer) return state_->torch_optimizer->param_groups().at(0).options().get_lr();
+  return state_->base_lrs.empty() ? 0.0 : state_->base_lrs[0];
+}
+
+// --- autocast ----------------------------------------------------------------------------------
+
+Engine::AutocastGuard::AutocastGuard(at::DeviceType device, at::ScalarType dtype, bool enable) : device_(device) {
+  if (!enable) return;
+  active_ = true;
+  prev_enabled_ = at::autocast::is_autocast_enabled(device);
+  prev_dtype_ = at::autocast::get_autocast_dtype(device);
+  at::autocast::set_autocast_enabled(device, true);
+  at::autocast::set_autocast_dtype(device, dtype);
+  at::autocast::increment_nesting();
+}
+
+Engine::AutocastGuard::AutocastGuard(AutocastGuard&& o) noexcept
+    : device_(o.device_), active_(std::exchange(o.active_, false)), prev_enabled_(o.prev_enabled_),
+      prev_dtype_(o.prev_dtype_) {}
+
+Engine::AutocastGuard::~AutocastGuard() {
+  if (!active_) return;
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_autocast_enabled(device_, prev_enabled_);
+  at::autocast::set_autocast_dtype(device_, prev_dtype_);
+}
+
+Engine::AutocastGuard Engine::autocast() const {
+  return AutocastGuard(device_.type(), compute_dtype_, compute_dtype_ != at::kFloat);
+}
+
+// --- collectives on results --------------------------------------------------------------------
+
+namespace {
+
+std::vector<int64_t> all_sizes(Communicator& c, int64_t mine, at::Device device) {
+  at::Tensor out = at::empty({c.world_size()}, at::TensorOptions().dtype(at::kLong).device(device));
+  at::Tensor in = at::full({1}, mine, out.options());
+  c.all_gather(in, out).wait();
+  out = out.cpu();
+  return std::vector<int64_t>(out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + out.numel());
+}
+
+}  // namespace
+
+at::Tensor Engine::gather(const at::Tensor& t) {
+  c10::NoGradGuard no_grad;
+  at::Tensor x = (t.dim() == 0 ? t.reshape({1}) : t).to(device_).contiguous();
+  const bool is_bool = x.scalar_type() == at::kBool;
+  if (is_bool) x = x.to(at::kByte);
+  Communicator& c = comm();
+  const int world = c.world_size();
+  at::Tensor out;
+  if (world == 1) {
+    out = x.clone();
+  } else {
+    const auto sizes = all_sizes(c, x.size(0), device_);
+    const int64_t most = *std::max_element(sizes.begin(), sizes.end());
+    auto shape = x.sizes().vec();
+    shape[0] = most;
+    at::Tensor mine = x;
+    if (x.size(0) != most) {
+      mine = at::zeros(shape, x.options());
+      mine.narrow(0, 0, x.size(0)).copy_(x);
+    }
+    shape[0] = most * world;
+    at::Tensor all = at::empty(shape, x.options());
+    if (all.numel() > 0) c.all_gather(mine.view({-1}), all.view({-1})).wait();
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < world; ++r) parts.push_back(all.narrow(0, r * most, sizes[r]));
+    out = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == most; }) ? all : at::cat(parts);
+  }
+  return is_bool ? out.to(at::kBool) : out;
+}
+
+at::Tensor Engine::gather_for_metrics(const at::Tensor& t) {
+  at::Tensor all = gather(t);
+  const auto& p = *state_->progress;
+  if (p.active && p.end_of_dataloader && p.real_in_global_batch < p.global_batch_size &&
+      all.size(0) == p.global_batch_size) {
+    return all.narrow(0, 0, p.real_in_global_batch);
+  }
+  return all;
+}
+
+std::vector<at::Tensor> Engine::gather_for_metrics(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (auto& t : ts) out.push_back(gather_for_metrics(t));
+  return out;
+}
+
+at::Tensor Engine::reduce(const at::Tensor& t, const std::string& op) {
+  if (op != "sum" && op != "mean") throw Error(fmt::format("engine.reduce: op '{}' (sum or mean)", op));
+  if (op == "mean" && !at::isFloatingType(t.scalar_type())) {
+    throw Error(fmt::format("engine.reduce: the mean of a {} tensor; convert it to floating point first",
+                            c10::toString(t.scalar_type())));
+  }
+  c10::NoGradGuard no_grad;
+  at::Tensor x = t.to(device_).contiguous().clone();
+  comm().all_reduce(x, op == "sum" ? ReduceOp::kSum : ReduceOp::kAvg).wait();
+  return x;
+}
+
+at::Tensor Engine::pad_across_processes(const at::Tensor& t, int64_t dim, double pad_value, bool pad_first) {
+  if (t.dim() == 0) return t;
+  if (dim < 0) dim += t.dim();
+  if (dim < 0 || dim >= t.dim()) throw Error(fmt::format("pad_across_processes: dim {} of a {}-d tensor", dim, t.dim()));
+  const auto sizes = all_sizes(comm(), t.size(dim), device_);
+  const int64_t most = *std::max_element(sizes.begin(), sizes.end());
+  if (t.size(dim) == most) return t;
+  auto shape = t.sizes().vec();
+  shape[dim] = most;
+  at::Tensor out = at::full(shape, pad_value, t.options());
+  out.narrow(dim, pad_first ? most - t.size(dim) : 0, t.size(dim)).copy_(t);
+  return out;
+}
+
+// --- processes ---------------------------------------------------------------------------------
+
+bool Engine::is_main_process() const { return runtime_->is_main_process(); }
+bool Engine::is_local_main_process() const { return runtime_->is_local_main_process(); }
+int Engine::num_processes() const { return runtime_->world_size(); }
+int Engine::process_index() const { return runtime_->rank(); }
+int Engine::local_process_index() const { return runtime_->local_rank(); }
+void Engine::wait_for_everyone() { comm().barrier().wait(); }
+
+Engine::MainProcessFirst::MainProcessFirst(Engine* e) : e_(e) {
+  if (!e_->is_main_process()) e_->wait_for_everyone();
+}
+
+Engine::MainProcessFirst::~MainProcessFirst() noexcept(false) {
+  // While an exception unwinds, the barrier is left out: the other ranks then fail with a
+  // collective timeout that names this rank instead of this rank hanging here.
+  if (e_ && e_->is_main_process() && std::uncaught_exceptions() == 0) e_->wait_for_everyone();
+}
+
+int Engine::zero_stage() const { return static_cast<int>(config_.zero.stage); }
+
+MemoryReport Engine::memory() const {
+  MemoryReport m;
+  if (state_->zero) {
+    const auto b = state_->zero->bytes();
+    m.params = b.params;
+    m.grads = b.grads;
+    m.master = b.master;
+    m.optimizer_states = b.optimizer;
+    m.workspace = b.workspace;
+  }
+  if (state_->module) {
+    for (auto& p : state_->module->parameters(true)) {
+      if (!state_->zero || !p.requires_grad()) {
+        (state_->zero ? m.frozen_params : m.params) += p.nbytes();
+      }
+    }
+    for (auto& b : state_->module->buffers(true)) m.buffers += b.nbytes();
+  }
+  return m;
+}
+
+int64_t Engine::num_trainable_parameters() const { return state_->zero ? state_->zero->num_elements() : 0; }
+
+}  // namespace zeal

@@ -1,0 +1,268 @@
+// zeal::Engine: the training loop's one entry point, Accelerate's Accelerator for LibTorch.
+//
+//   zeal::Engine engine(zeal::Config::from_env_or_file(argc, argv));
+//   auto [model, opt, loader, sched] = engine.prepare(model, optimizer, loader, scheduler);
+//   for (auto& batch : loader) {
+//     auto guard = engine.accumulate();
+//     auto loss = loss_fn(model->forward(batch.data), batch.target);
+//     engine.backward(loss);
+//     opt.step(); sched.step(); opt.zero_grad();
+//   }
+//
+// The engine joins the ranks (zeal launch, torchrun, mpirun or Slurm; one process otherwise),
+// puts the model on its device, and replaces the optimizer's update by ZeRO's (stage 0, 1 or 2
+// of the config): the trainable parameters live in flat buffers, the fp32 master weights and
+// optimizer states are sharded over the ranks from stage 1 and the gradients from stage 2.
+// Mixed precision (fp16/bf16) computes in 16 bits with an fp32 master; fp16 uses DeepSpeed's
+// dynamic loss scaling. See README.md, "The training loop", for the guide.
+//
+// An Engine must outlive what it prepared. Everything here runs on every rank in the same order
+// (each collective call on every rank), except print and the *_main_process queries.
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
+
+#include <concepts>
+#include <cstdint>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "engine/config/config.h"
+#include "engine/data/loader.h"
+#include "engine/memory.h"
+#include "engine/optim/schedule.h"
+
+namespace zeal {
+
+class Runtime;
+class Communicator;
+class Engine;
+
+// The optimizer after prepare: its step is ZeRO's; hyperparameters and learning rates are read
+// from the LibTorch optimizer it came from (so LibTorch LR schedulers keep working on it).
+class PreparedOptimizer {
+ public:
+  explicit PreparedOptimizer(Engine* engine) : engine_(engine) {}
+  void step();       // engine.step(): a no-op on micro-steps that do not sync
+  void zero_grad();  // on the sync micro-step only (the step clears gradients too)
+  bool step_was_skipped() const;
+
+ private:
+  Engine* engine_;
+};
+
+// The scheduler after prepare: step() advances it only after an optimizer step that ran (not
+// on accumulation micro-steps, not after a skipped fp16 step).
+class PreparedScheduler {
+ public:
+  PreparedScheduler(Engine* engine, int index) : engine_(engine), index_(index) {}
+  void step();
+  double last_lr() const;
+
+ private:
+  Engine* engine_;
+  int index_;
+};
+
+template <class T>
+concept ModuleHolderLike = requires(T m) {
+  { m.ptr() } -> std::convertible_to<std::shared_ptr<torch::nn::Module>>;
+};
+
+class Engine {
+ public:
+  // Joins the ranks described by the environment (and the config's launch section).
+  explicit Engine(Config config);
+  // Uses a Runtime the caller owns (zeal::spawn, tests).
+  Engine(Config config, Runtime& runtime);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Prepares any of: a model (ModuleHolder or shared_ptr<Module>), a LibTorch optimizer, a
+  // zeal::DataLoader, a LibTorch LR scheduler or a zeal schedule, in any order; returns the
+  // prepared counterparts in the same order (one thing: that thing; several: a tuple).
+  template <class... Ts>
+  auto prepare(Ts&&... things) {
+    static_assert(sizeof...(Ts) > 0, "prepare what?");
+    auto prepared = std::tuple{prepare_one(std::forward<Ts>(things))...};
+    finish_prepare();
+    if constexpr (sizeof...(Ts) == 1) {
+      return std::get<0>(std::move(prepared));
+    } else {
+      return prepared;
+    }
+  }
+
+  // --- the step --------------------------------------------------------------------------
+  // Backward of loss / gradient_accumulation_steps (× the fp16 loss scale); on the sync
+  // micro-step the gradients are reduced as they arrive.
+  void backward(const at::Tensor& loss);
+  // On the sync micro-step: unscale, check inf/nan on every rank, clip, update, clear gradients,
+  // advance the config's schedule. Otherwise nothing.
+  void step();
+  void zero_grad();
+
+  // Marks one micro-step: the gradients are synchronized (and the optimizer steps) on every
+  // gradient_accumulation_steps-th one and on the last batch of a prepared loader. Without a
+  // guard, each backward() is a micro-step.
+  class [[nodiscard]] AccumulateGuard {
+   public:
+    explicit AccumulateGuard(Engine* e) : e_(e) {}
+    AccumulateGuard(AccumulateGuard&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+    ~AccumulateGuard();
+
+   private:
+    Engine* e_;
+  };
+  AccumulateGuard accumulate();
+  template <class M>
+  AccumulateGuard accumulate(const M&) {
+    return accumulate();
+  }
+  bool sync_gradients() const { return sync_; }
+  int64_t gradient_accumulation_steps() const { return accumulation_steps_; }
+
+  // Clip the gradients of this step (between backward and step); returns the global norm of the
+  // unscaled gradients before clipping. The config's gradient_clipping does the same in step().
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0);
+  void clip_grad_value_(double clip_value);
+  bool optimizer_step_was_skipped() const { return last_step_skipped_; }
+  double last_grad_norm() const { return last_grad_norm_; }
+  double loss_scale() const;
+
+  // Autocast to the compute dtype on this device while the guard lives (no-op in fp32).
+  class [[nodiscard]] AutocastGuard {
+   public:
+    AutocastGuard(at::DeviceType device, at::ScalarType dtype, bool enable);
+    AutocastGuard(AutocastGuard&& o) noexcept;
+    ~AutocastGuard();
+
+   private:
+    at::DeviceType device_;
+    bool active_ = false, prev_enabled_ = false;
+    at::ScalarType prev_dtype_;
+  };
+  AutocastGuard autocast() const;
+
+  // --- collectives on results ----------------------------------------------------------------
+  // Every rank's tensor concatenated along dim 0 in rank order (0-d tensors become [world]);
+  // first dimensions may differ between ranks.
+  at::Tensor gather(const at::Tensor& t);
+  // gather, minus the samples the prepared loader repeated to even out the last batch.
+  at::Tensor gather_for_metrics(const at::Tensor& t);
+  std::vector<at::Tensor> gather_for_metrics(const std::vector<at::Tensor>& ts);
+  // Element-wise "sum" or "mean" over ranks (a new tensor).
+  at::Tensor reduce(const at::Tensor& t, const std::string& op = "sum");
+  // Pads dimension `dim` to the largest size on any rank with pad_value.
+  at::Tensor pad_across_processes(const at::Tensor& t, int64_t dim = 0, double pad_value = 0,
+                                  bool pad_first = false);
+
+  // --- processes ------------------------------------------------------------------------------
+  template <class... Args>
+  void print(const Args&... args) const {
+    if (!is_main_process()) return;
+    (std::cout << ... << args) << std::endl;
+  }
+  bool is_main_process() const;
+  bool is_local_main_process() const;
+  int num_processes() const;
+  int process_index() const;
+  int local_process_index() const;
+  void wait_for_everyone();
+  // The main process runs the guarded block first, the others after it is done.
+  class [[nodiscard]] MainProcessFirst {
+   public:
+    explicit MainProcessFirst(Engine* e);
+    MainProcessFirst(MainProcessFirst&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+    ~MainProcessFirst() noexcept(false);
+
+   private:
+    Engine* e_;
+  };
+  MainProcessFirst main_process_first() { return MainProcessFirst(this); }
+
+  at::Device device() const { return device_; }
+  int zero_stage() const;
+  at::ScalarType compute_dtype() const { return compute_dtype_; }
+  template <class M>
+  M unwrap_model(M model) const {
+    return model;
+  }
+  const Config& config() const { return config_; }
+  Runtime& runtime() { return *runtime_; }
+
+  // Bytes this rank holds for the model states, by kind.
+  MemoryReport memory() const;
+  int64_t num_trainable_parameters() const;
+  int64_t optimizer_steps() const { return optimizer_steps_; }
+
+ private:
+  friend class PreparedOptimizer;
+  friend class PreparedScheduler;
+
+  template <class T>
+  auto prepare_one(T&& x) {
+    using U = std::remove_cvref_t<T>;
+    if constexpr (ModuleHolderLike<U>) {
+      prepare_module(x.ptr());
+      return U(x);
+    } else if constexpr (std::is_convertible_v<U, std::shared_ptr<torch::nn::Module>>) {
+      prepare_module(x);
+      return U(x);
+    } else if constexpr (std::is_base_of_v<torch::optim::Optimizer, U>) {
+      static_assert(std::is_lvalue_reference_v<T>, "prepare the optimizer object itself (it must outlive the engine)");
+      prepare_optimizer(&x);
+      return PreparedOptimizer(this);
+    } else if constexpr (std::is_base_of_v<torch::optim::LRScheduler, U>) {
+      static_assert(std::is_lvalue_reference_v<T>, "prepare the scheduler object itself (it must outlive the engine)");
+      return PreparedScheduler(this, add_scheduler(&x, nullptr));
+    } else if constexpr (std::is_convertible_v<U, std::shared_ptr<optim::LrSchedule>>) {
+      return PreparedScheduler(this, add_scheduler(nullptr, std::shared_ptr<optim::LrSchedule>(x)));
+    } else if constexpr (requires(U u, data::Binding b) { u.bind(b); }) {
+      U loader(x);
+      loader.bind(binding());
+      return loader;
+    } else {
+      static_assert(sizeof(U) == 0, "engine.prepare takes models, optimizers, zeal::DataLoaders and schedulers");
+    }
+  }
+
+  void init();
+  Communicator& comm();
+  void prepare_module(std::shared_ptr<torch::nn::Module> module);
+  void prepare_optimizer(torch::optim::Optimizer* optimizer);
+  int add_scheduler(torch::optim::LRScheduler* torch_scheduler, std::shared_ptr<optim::LrSchedule> schedule);
+  data::Binding binding();
+  void finish_prepare();
+  void build_zero();
+  void begin_micro_step();
+  void scheduler_step(int index);
+  double scheduler_last_lr(int index) const;
+  std::vector<double> learning_rates() const;
+  double inv_scale() const;
+
+  struct State;
+  Config config_;
+  std::unique_ptr<Runtime> owned_runtime_;
+  Runtime* runtime_;
+  at::Device device_ = at::kCPU;
+  at::ScalarType compute_dtype_;
+  int64_t accumulation_steps_ = 1;
+  bool sync_ = true, guard_open_ = false, backward_pending_ = false;
+  bool last_step_skipped_ = false;
+  double last_grad_norm_ = 0;
+  int64_t micro_steps_ = 0, optimizer_steps_ = 0;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace zeal

@@ -1,0 +1,40 @@
+// What a rank holds for the model states, and what DESIGN.md's stage table says it should hold.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace zeal {
+
+// Bytes held by this rank. model_states() is what the stage table counts.
+struct MemoryReport {
+  int64_t params = 0;            // trainable parameters in the compute dtype (with shard padding)
+  int64_t grads = 0;             // gradients kept between micro-steps
+  int64_t master = 0;            // fp32 master weights
+  int64_t optimizer_states = 0;  // e.g. Adam's m and v
+  int64_t frozen_params = 0;     // parameters with requires_grad = false
+  int64_t buffers = 0;           // the model's buffers
+  int64_t workspace = 0;         // step scratch and gradient staging (peak)
+  int64_t model_states() const { return params + grads + master + optimizer_states; }
+  int64_t total() const { return model_states() + frozen_params + buffers + workspace; }
+  // "params 1.2 MiB, grads …" on one line.
+  std::string summary() const;
+};
+
+// The stage table for `psi` trainable parameters over `world` ranks, per rank:
+//   stage 0: (P + G + M + O)·Ψ        stage 1: (P + G)·Ψ + (M + O)·Ψ/N
+//   stage 2: P·Ψ + (G + M + O)·Ψ/N    stage 3: (P + G + M + O)·Ψ/N
+// with P, G the bytes per parameter and gradient element (2 in bf16/fp16, 4 in fp32), M = 4 for
+// the fp32 master and O the optimizer's state bytes (8 for Adam): K = M + O = 12 as in DESIGN.md.
+struct StageModel {
+  int stage = 0;
+  int64_t psi = 0;
+  int world = 1;
+  int64_t param_bytes = 2, grad_bytes = 2, master_bytes = 4, optimizer_bytes = 8;
+};
+double expected_model_state_bytes(const StageModel& m);
+
+// 1536 → "1.5 KiB".
+std::string format_bytes(double bytes);
+
+}  // namespace zeal

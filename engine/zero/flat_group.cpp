@@ -1,0 +1,328 @@
+#include "engine/zero/flat_group.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <fmt/format.h>
+
+#include "engine/error.h"
+
+namespace zeal::zero {
+
+// What a parameter's hook reaches: cleared when the group goes, so a hook that outlives it (the
+// model lives on after the engine) does nothing.
+struct FlatGroup::HookState {
+  FlatGroup* group = nullptr;
+};
+
+namespace {
+
+// Runs after the parameter's AccumulateGrad: its .grad now holds this backward's contribution.
+class GradReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+// Buckets of whole parameters, in order, of at most `limit` elements (a larger parameter alone).
+std::vector<std::vector<int>> cut_buckets(const std::vector<at::Tensor>& params, int64_t limit) {
+  std::vector<std::vector<int>> out;
+  int64_t filled = 0;
+  for (int i = 0; i < static_cast<int>(params.size()); ++i) {
+    const int64_t n = params[i].numel();
+    if (out.empty() || (filled > 0 && filled + n > limit)) {
+      out.emplace_back();
+      filled = 0;
+    }
+    out.back().push_back(i);
+    filled += n;
+  }
+  return out;
+}
+
+}  // namespace
+
+FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::vector<std::string> names,
+                     std::unique_ptr<optim::Optimizer> optimizer, const GroupOptions& options)
+    : comm_(comm), opts_(options), params_(std::move(params)), names_(std::move(names)),
+      optimizer_(std::move(optimizer)) {
+  ZEAL_CHECK(names_.size() == params_.size()) << names_.size() << " names for " << params_.size() << " parameters";
+  if (opts_.stage < 0 || opts_.stage > 2) throw Error(fmt::format("FlatGroup handles stages 0-2, not {}", opts_.stage));
+  const int world = comm_.world_size(), rank = comm_.rank();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    if (!p.requires_grad()) throw Error(fmt::format("parameter '{}' does not require grad", names_[i]));
+    if (!at::isFloatingType(p.scalar_type())) {
+      throw Error(fmt::format("parameter '{}' is {}; trainable parameters must be floating point", names_[i],
+                              c10::toString(p.scalar_type())));
+    }
+  }
+  c10::NoGradGuard no_grad;
+  const auto device = params_.empty() ? at::Device(at::kCPU) : params_[0].device();
+
+  // Buckets and where everything sits.
+  bucket_of_.resize(params_.size());
+  flat_offset_.resize(params_.size());
+  for (auto& members : cut_buckets(params_, std::max<int64_t>(opts_.bucket_elems, 1))) {
+    std::vector<int64_t> numels;
+    for (int i : members) numels.push_back(params_[i].numel());
+    Bucket b{FlatLayout(numels, world, opts_.align), members};
+    b.offset = padded_;
+    const bool whole = opts_.stage == 0;
+    b.owned_begin = whole ? 0 : b.layout.shard_begin(rank);
+    b.owned_len = whole ? b.layout.padded_total() : b.layout.shard_size();
+    b.master_offset = owned_total_;
+    for (size_t k = 0; k < members.size(); ++k) {
+      bucket_of_[members[k]] = static_cast<int>(buckets_.size());
+      flat_offset_[members[k]] = b.offset + b.layout.offset(static_cast<int>(k));
+    }
+    padded_ += b.layout.padded_total();
+    owned_total_ += b.owned_len;
+    total_elems_ += b.layout.total();
+    buckets_.push_back(std::move(b));
+  }
+
+  // Every rank starts from rank 0's values, in fp32; the master is taken before the cast.
+  auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  at::Tensor init = at::zeros({padded_}, fp32);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    init.narrow(0, flat_offset_[i], params_[i].numel()).copy_(params_[i].detach().reshape({-1}));
+  }
+  if (world > 1 && padded_ > 0) comm_.broadcast(init, 0).wait();
+  master_ = at::empty({owned_total_}, fp32);
+  for (int b = 0; b < num_buckets(); ++b) {
+    master_.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(init, b));
+  }
+  param_flat_ = opts_.compute_dtype == at::kFloat ? init : init.to(opts_.compute_dtype);
+  init = at::Tensor();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& p = params_[i];
+    p.set_data(param_flat_.narrow(0, flat_offset_[i], p.numel()).view(p.sizes()));
+    p.mutable_grad() = at::Tensor();
+  }
+  auto compute = at::TensorOptions().dtype(opts_.compute_dtype).device(device);
+  if (opts_.stage < 2) {
+    grad_flat_ = at::zeros({padded_}, compute);
+    for (size_t i = 0; i < params_.size(); ++i) reattach_grad(static_cast<int>(i), false);
+  } else {
+    grad_part_ = at::zeros({owned_total_}, compute);
+  }
+  // The step reads fp32 gradients; where they already are (fp32, one contiguous region) no copy.
+  if (opts_.compute_dtype == at::kFloat && opts_.stage == 2) {
+    grad32_ = grad_part_;
+  } else if (opts_.compute_dtype == at::kFloat && opts_.stage == 0) {
+    grad32_ = grad_flat_;
+  } else {
+    grad32_ = at::empty({owned_total_}, fp32);
+  }
+
+  // A post hook on each parameter's gradient accumulator tells the group its gradient arrived.
+  hook_state_ = std::make_shared<HookState>();
+  hook_state_->group = this;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    ZEAL_CHECK(acc) << "no gradient accumulator for " << names_[i];
+    std::weak_ptr<HookState> weak = hook_state_;
+    acc->add_post_hook(std::make_unique<GradReadyHook>([weak, i] {
+      if (auto s = weak.lock()) s->group->on_grad_ready(static_cast<int>(i));
+    }));
+    accumulators_.push_back(std::move(acc));
+  }
+  next_launch_ = num_buckets() - 1;
+}
+
+FlatGroup::~FlatGroup() {
+  hook_state_.reset();
+  // Every issued collective is waited for before its buffers go.
+  for (auto& f : in_flight_) {
+    try {
+      f.work.wait();
+    } catch (...) {
+    }
+  }
+}
+
+at::Tensor FlatGroup::owned_view(const at::Tensor& flat, int b) const {
+  const Bucket& k = buckets_[b];
+  return flat.narrow(0, k.offset + k.owned_begin, k.owned_len);
+}
+
+// Points the parameter's .grad back at its slot in the gradient buffer (stage 0, 1). When
+// autograd or the user replaced it (a set_to_none zero_grad), the slot takes its value
+// (`overwrite`) or is cleared.
+void FlatGroup::reattach_grad(int i, bool overwrite) {
+  at::Tensor& p = params_[i];
+  at::Tensor slot = grad_flat_.narrow(0, flat_offset_[i], p.numel()).view(p.sizes());
+  const at::Tensor& g = p.grad();
+  if (g.defined() && g.data_ptr() == slot.data_ptr()) return;
+  if (g.defined() && overwrite) {
+    slot.copy_(g);
+  } else {
+    slot.zero_();
+  }
+  p.mutable_grad() = slot;
+}
+
+void FlatGroup::begin_micro_step(bool sync) {
+  ZEAL_CHECK(in_flight_.empty()) << "a micro-step began with reductions in flight";
+  sync_ = sync;
+  grad32_ready_ = false;
+  for (auto& b : buckets_) {
+    b.arrived = 0;
+    b.launched = false;
+  }
+  next_launch_ = num_buckets() - 1;
+}
+
+void FlatGroup::on_grad_ready(int i) {
+  c10::NoGradGuard no_grad;
+  Bucket& b = buckets_[bucket_of_[i]];
+  if (b.launched) {
+    throw Error(fmt::format("the gradient of '{}' arrived after its bucket was reduced: call engine.backward once "
+                            "per micro-step (add the losses first)",
+                            names_[i]));
+  }
+  if (opts_.stage < 2) {
+    reattach_grad(i, true);
+    if (!sync_) return;
+  } else {
+    at::Tensor& p = params_[i];
+    if (!b.staging.defined()) {
+      b.staging = at::zeros({b.layout.padded_total()}, p.options().dtype(opts_.compute_dtype));
+      staging_now_ += b.staging.nbytes();
+      staging_peak_ = std::max(staging_peak_, staging_now_);
+    }
+    if (p.grad().defined()) {
+      b.staging.narrow(0, flat_offset_[i] - b.offset, p.numel()).add_(p.grad().reshape({-1}));
+      p.mutable_grad() = at::Tensor();
+    }
+  }
+  if (++b.arrived == static_cast<int>(b.params.size())) launch_ready_buckets();
+}
+
+// Launches, in the fixed order, every bucket whose gradients are all in.
+void FlatGroup::launch_ready_buckets() {
+  while (next_launch_ >= 0 && buckets_[next_launch_].arrived == static_cast<int>(buckets_[next_launch_].params.size())) {
+    launch(next_launch_--);
+  }
+}
+
+void FlatGroup::launch(int b) {
+  Bucket& k = buckets_[b];
+  k.launched = true;
+  Work work;
+  if (opts_.stage == 0) {
+    work = comm_.all_reduce(grad_flat_.narrow(0, k.offset, k.layout.padded_total()), ReduceOp::kAvg);
+  } else if (opts_.stage == 1) {
+    at::Tensor region = grad_flat_.narrow(0, k.offset, k.layout.padded_total());
+    work = comm_.reduce_scatter(region, owned_view(grad_flat_, b), ReduceOp::kAvg);
+  } else {
+    if (!k.staging.defined()) {
+      k.staging = at::zeros({k.layout.padded_total()}, grad_part_.options());
+      staging_now_ += k.staging.nbytes();
+      staging_peak_ = std::max(staging_peak_, staging_now_);
+    }
+    work = comm_.reduce_scatter(k.staging, k.staging.narrow(0, k.owned_begin, k.owned_len), ReduceOp::kAvg);
+  }
+  in_flight_.push_back({b, std::move(work)});
+  // Without overlap each reduction finishes before the backward goes on; with it, stage 2 keeps
+  // at most two buckets' staging in flight.
+  if (!opts_.overlap_comm) {
+    complete_oldest();
+  } else if (opts_.stage == 2 && in_flight_.size() > 2) {
+    complete_oldest();
+  }
+}
+
+void FlatGroup::complete_oldest() {
+  InFlight f = std::move(in_flight_.front());
+  in_flight_.erase(in_flight_.begin());
+  f.work.wait();
+  Bucket& k = buckets_[f.bucket];
+  if (opts_.stage == 2) {
+    c10::NoGradGuard no_grad;
+    grad_part_.narrow(0, k.master_offset, k.owned_len).add_(k.staging.narrow(0, k.owned_begin, k.owned_len));
+    staging_now_ -= k.staging.nbytes();
+    k.staging = at::Tensor();
+  }
+}
+
+void FlatGroup::end_backward() {
+  c10::NoGradGuard no_grad;
+  if (opts_.stage < 2) {
+    // A parameter that got no gradient this backward after a set_to_none zero_grad: its slot is 0.
+    for (size_t i = 0; i < params_.size(); ++i) reattach_grad(static_cast<int>(i), true);
+    if (!sync_) return;
+  }
+  // Buckets with a parameter that got no gradient (unused this step) are reduced now, with
+  // zeros for it, still in the fixed order.
+  for (auto& b : buckets_) b.arrived = static_cast<int>(b.params.size());
+  launch_ready_buckets();
+  while (!in_flight_.empty()) complete_oldest();
+}
+
+const at::Tensor& FlatGroup::owned_grads(double inv_scale) {
+  if (grad32_ready_) return grad32_;
+  c10::NoGradGuard no_grad;
+  if (opts_.stage == 2) {
+    if (!grad32_.is_same(grad_part_)) grad32_.copy_(grad_part_);
+  } else if (!grad32_.is_same(grad_flat_)) {
+    for (int b = 0; b < num_buckets(); ++b) {
+      grad32_.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(grad_flat_, b));
+    }
+  }
+  if (inv_scale != 1.0) grad32_.mul_(inv_scale);
+  grad32_ready_ = true;
+  return grad32_;
+}
+
+void FlatGroup::apply_step(const at::Tensor& grads, double lr) {
+  c10::NoGradGuard no_grad;
+  optimizer_->set_lr(lr);
+  if (owned_total_ > 0) optimizer_->step(master_, grads);
+  std::vector<Work> gathers;
+  for (int b = 0; b < num_buckets(); ++b) {
+    const Bucket& k = buckets_[b];
+    at::Tensor own = owned_view(param_flat_, b);
+    own.copy_(master_.narrow(0, k.master_offset, k.owned_len));
+    if (opts_.stage > 0 && comm_.world_size() > 1) {
+      gathers.push_back(comm_.all_gather(own, param_flat_.narrow(0, k.offset, k.layout.padded_total())));
+    }
+  }
+  for (auto& w : gathers) w.wait();
+}
+
+void FlatGroup::zero_grad() {
+  c10::NoGradGuard no_grad;
+  if (opts_.stage < 2) {
+    grad_flat_.zero_();
+    for (size_t i = 0; i < params_.size(); ++i) reattach_grad(static_cast<int>(i), false);
+  } else {
+    grad_part_.zero_();
+    for (auto& p : params_) p.mutable_grad() = at::Tensor();
+  }
+  grad32_ready_ = false;
+}
+
+GroupBytes FlatGroup::bytes() const {
+  GroupBytes out;
+  out.params = param_flat_.nbytes();
+  out.grads = grad_flat_.defined() ? grad_flat_.nbytes() : grad_part_.nbytes();
+  out.master = master_.nbytes();
+  out.optimizer = optimizer_->state_bytes();
+  const bool alias = grad32_.is_same(grad_flat_) || grad32_.is_same(grad_part_);
+  out.workspace = (alias ? 0 : grad32_.nbytes()) + staging_peak_;
+  return out;
+}
+
+}  // namespace zeal::zero

@@ -1,0 +1,137 @@
+// FlatGroup: one optimizer parameter group laid out for ZeRO stages 0, 1 and 2.
+//
+// The group's trainable parameters, in registration order, are cut into buckets of at most
+// `bucket_elems` elements (whole parameters; a larger parameter is a bucket of its own). Each
+// bucket is a FlatLayout padded to world_size equal shards, and the group's compute-precision
+// parameter buffer is the buckets end to end; every parameter's data is, for good, a view into
+// it. Rank r owns the r-th shard of every bucket: the concatenation of those shards is its
+// partition, and the fp32 master weights and optimizer state hold exactly that partition
+// (stage 1 and 2), or every bucket whole (stage 0).
+//
+// Gradients:
+//   stage 0, 1  one compute-precision gradient buffer with the parameters' layout; each .grad is a
+//               view into it, so autograd accumulates micro-steps in place. On the sync micro-step
+//               a bucket is all-reduced (stage 0) or reduce-scattered in place (stage 1) as soon as
+//               its last gradient arrives.
+//   stage 2     only the owned partition of the gradients is kept. As each gradient arrives it is
+//               added into its bucket's staging buffer and released; a full bucket is
+//               reduce-scattered and its owned shard added to the partition, on every micro-step.
+// Buckets are reduced in one fixed order (last bucket first, the order of a backward pass) on
+// every rank, whatever order gradients arrive in, so collectives always match across ranks.
+//
+// Thread: hooks run on the thread that runs backward (on CPU, the caller's); nothing else touches
+// a group concurrently.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/comm/communicator.h"
+#include "engine/optim/optimizer.h"
+#include "engine/zero/layout.h"
+
+namespace zeal::zero {
+
+struct GroupOptions {
+  int stage = 0;
+  at::ScalarType compute_dtype = at::kFloat;
+  int64_t bucket_elems = 500'000'000;
+  bool overlap_comm = false;  // reduce buckets asynchronously behind the backward
+  int64_t align = 16;         // shard sizes are a multiple of this many elements
+};
+
+// Bytes a rank holds for one group.
+struct GroupBytes {
+  int64_t params = 0, grads = 0, master = 0, optimizer = 0, workspace = 0;
+};
+
+class FlatGroup {
+ public:
+  // `params` are the group's trainable parameters (requires_grad, on the compute device, in
+  // registration order); `names` name them in errors. Rank 0's values are broadcast so every rank
+  // starts equal; the fp32 master is taken from those values before they are cast to the
+  // compute dtype.
+  FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::vector<std::string> names,
+            std::unique_ptr<optim::Optimizer> optimizer, const GroupOptions& options);
+  ~FlatGroup();
+  FlatGroup(const FlatGroup&) = delete;
+  FlatGroup& operator=(const FlatGroup&) = delete;
+
+  // Lifecycle of one micro-step: begin (sync: this micro-step's gradients are reduced), the
+  // backward runs (hooks call on_grad_ready), end waits for every reduction of this micro-step.
+  void begin_micro_step(bool sync);
+  void end_backward();
+
+  // The reduced, unscaled gradients of this rank's partition in fp32 (valid after the sync
+  // micro-step's end_backward, until zero_grad). Computed on first use.
+  const at::Tensor& owned_grads(double inv_scale);
+  // Updates the master partition with `grads` (from owned_grads, possibly clipped), writes it
+  // into the compute parameters and all-gathers them (stage 1, 2).
+  void apply_step(const at::Tensor& grads, double lr);
+  void zero_grad();
+
+  // Whether this rank's partition holds a replica of every gradient (stage 0): then norms need
+  // no all-reduce.
+  bool replicated() const { return opts_.stage == 0; }
+  optim::Optimizer& optimizer() { return *optimizer_; }
+  GroupBytes bytes() const;
+  int64_t num_elements() const { return total_elems_; }
+  int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  const std::vector<std::string>& names() const { return names_; }
+
+ private:
+  struct Bucket {
+    FlatLayout layout;
+    std::vector<int> params;  // indices into params_
+    int64_t offset = 0;       // in the group's flat buffers
+    int64_t owned_begin = 0;  // owned region, relative to offset
+    int64_t owned_len = 0;
+    int64_t master_offset = 0;  // of the owned region in the partition
+    int arrived = 0;            // gradients seen this micro-step
+    bool launched = false;
+    at::Tensor staging;  // stage 2: the bucket's gradients while it is being reduced
+  };
+  struct InFlight {
+    int bucket;
+    Work work;
+  };
+  struct HookState;
+
+  void on_grad_ready(int param);
+  void launch_ready_buckets();
+  void launch(int b);
+  void complete_oldest();
+  void reattach_grad(int param, bool overwrite);
+  at::Tensor owned_view(const at::Tensor& flat, int b) const;
+
+  Communicator& comm_;
+  GroupOptions opts_;
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::unique_ptr<optim::Optimizer> optimizer_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_;        // param → bucket
+  std::vector<int64_t> flat_offset_;  // param → offset in the group's flat buffers
+  int64_t total_elems_ = 0, padded_ = 0, owned_total_ = 0;
+
+  at::Tensor param_flat_;  // compute dtype, padded_ elements: every parameter's storage
+  at::Tensor grad_flat_;   // stage 0, 1: compute dtype, padded_ elements
+  at::Tensor grad_part_;   // stage 2: compute dtype, owned_total_ elements
+  at::Tensor master_;      // fp32, owned_total_ elements
+  at::Tensor grad32_;      // fp32 unscaled owned gradients for the step (or a view of the above)
+  bool grad32_ready_ = false;
+
+  bool sync_ = true;
+  int next_launch_ = -1;  // the next bucket to launch, counting down
+  std::vector<InFlight> in_flight_;
+  int64_t staging_peak_ = 0, staging_now_ = 0;
+
+  std::shared_ptr<HookState> hook_state_;
+  std::vector<std::shared_ptr<void>> accumulators_;  // keeps each parameter's hook alive
+};
+
+}  // namespace zeal::zero

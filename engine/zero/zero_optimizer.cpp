@@ -1,0 +1,143 @@
+#include "engine/zero/zero_optimizer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <limits>
+
+#include <fmt/format.h>
+
+#include "engine/error.h"
+
+namespace zeal::zero {
+
+ZeroOptimizer::ZeroOptimizer(Communicator& comm, std::vector<Group> groups, const GroupOptions& options)
+    : comm_(comm), options_(options) {
+  for (auto& g : groups) {
+    groups_.push_back(std::make_unique<FlatGroup>(comm_, std::move(g.params), std::move(g.names),
+                                                  std::move(g.optimizer), options_));
+  }
+}
+
+void ZeroOptimizer::begin_micro_step(bool sync) {
+  for (auto& g : groups_) g->begin_micro_step(sync);
+  have_norm_ = false;
+  clipped_ = false;
+  overflow_ = false;
+}
+
+void ZeroOptimizer::end_backward() {
+  for (auto& g : groups_) g->end_backward();
+}
+
+void ZeroOptimizer::prepare_grads(double inv_scale) {
+  for (auto& g : groups_) g->owned_grads(inv_scale);
+}
+
+double ZeroOptimizer::grad_norm(double inv_scale, double norm_type) {
+  if (norm_type != 2.0 && !std::isinf(norm_type)) {
+    throw Error(fmt::format("gradient norms of type {} are not supported (2 or inf)", norm_type));
+  }
+  prepare_grads(inv_scale);
+  c10::NoGradGuard no_grad;
+  const bool sharded = options_.stage > 0 && comm_.world_size() > 1;
+  if (!have_norm_) {
+    // Sums of squares in double, one all-reduce over ranks: an inf or nan anywhere makes it
+    // non-finite on every rank.
+    double local = 0;
+    for (auto& g : groups_) {
+      const at::Tensor& t = g->owned_grads(inv_scale);
+      if (t.numel() == 0) continue;
+      const double n = at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble).item<double>();
+      local += n * n;
+    }
+    if (sharded) {
+      at::Tensor s = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
+      comm_.all_reduce(s, ReduceOp::kSum).wait();
+      local = s.item<double>();
+    }
+    sumsq_ = local;
+    have_norm_ = true;
+    if (!std::isfinite(local)) overflow_ = true;
+  }
+  if (!std::isinf(norm_type)) return std::sqrt(sumsq_);
+  if (!std::isfinite(sumsq_)) return std::numeric_limits<double>::infinity();
+  double m = 0;
+  for (auto& g : groups_) {
+    const at::Tensor& t = g->owned_grads(inv_scale);
+    if (t.numel() > 0) m = std::max(m, t.abs().max().item<double>());
+  }
+  if (sharded) {
+    at::Tensor s = at::full({1}, m, at::TensorOptions().dtype(at::kDouble));
+    comm_.all_reduce(s, ReduceOp::kMax).wait();
+    m = s.item<double>();
+  }
+  return m;
+}
+
+double ZeroOptimizer::clip_grad_norm(double max_norm, double norm_type, double inv_scale) {
+  const double norm = grad_norm(inv_scale, norm_type);
+  clipped_ = true;
+  norm_before_clip_ = norm;
+  if (!std::isfinite(norm)) return norm;  // the step will be skipped
+  // torch.nn.utils.clip_grad_norm_'s coefficient.
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    c10::NoGradGuard no_grad;
+    for (auto& g : groups_) const_cast<at::Tensor&>(g->owned_grads(inv_scale)).mul_(coef);
+    sumsq_ *= coef * coef;
+  }
+  return norm;
+}
+
+void ZeroOptimizer::clip_grad_value(double value, double inv_scale) {
+  if (!(value > 0)) throw Error(fmt::format("clip_grad_value_: the clip value must be positive, got {}", value));
+  grad_norm(inv_scale);  // an inf would survive clamping as ±value: look for it first
+  c10::NoGradGuard no_grad;
+  for (auto& g : groups_) const_cast<at::Tensor&>(g->owned_grads(inv_scale)).clamp_(-value, value);
+  have_norm_ = false;
+}
+
+ZeroOptimizer::StepResult ZeroOptimizer::step(double inv_scale, double clip, const std::vector<double>& lrs) {
+  ZEAL_CHECK(lrs.size() == groups_.size()) << lrs.size() << " learning rates for " << groups_.size() << " groups";
+  StepResult r;
+  r.grad_norm = clipped_ ? norm_before_clip_ : grad_norm(inv_scale);
+  if (overflow_) {
+    zero_grad();
+    return r;
+  }
+  if (clip > 0 && !clipped_) clip_grad_norm(clip, 2.0, inv_scale);
+  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->apply_step(groups_[g]->owned_grads(inv_scale), lrs[g]);
+  r.stepped = true;
+  zero_grad();
+  return r;
+}
+
+void ZeroOptimizer::zero_grad() {
+  for (auto& g : groups_) g->zero_grad();
+  have_norm_ = false;
+  clipped_ = false;
+  overflow_ = false;
+}
+
+GroupBytes ZeroOptimizer::bytes() const {
+  GroupBytes out;
+  for (auto& g : groups_) {
+    const GroupBytes b = g->bytes();
+    out.params += b.params;
+    out.grads += b.grads;
+    out.master += b.master;
+    out.optimizer += b.optimizer;
+    out.workspace += b.workspace;
+  }
+  return out;
+}
+
+int64_t ZeroOptimizer::num_elements() const {
+  int64_t n = 0;
+  for (auto& g : groups_) n += g->num_elements();
+  return n;
+}
+
+}  // namespace zeal::zero

@@ -1,0 +1,225 @@
+// Shared by the engine tests: a training run of TinyGpt through zeal::Engine on N ranks
+// (zeal::spawn), the same run in one process with plain LibTorch (the reference), and files to
+// carry results out of the ranks.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/schedulers/step_lr.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/error.h"
+#include "engine/runtime/runtime.h"
+#include "engine/runtime/spawn.h"
+#include "tests/engine/tiny_gpt.h"
+
+namespace zeal_test {
+
+struct RunSpec {
+  int world = 2;
+  int stage = 0;
+  int accumulation = 1;
+  int steps = 10;
+  int64_t micro_batch = 2;  // samples per rank per micro-step
+  double clip = 0.25;       // 0: off
+  double lr = 1e-3, weight_decay = 0.1, eps = 1e-6;
+  std::string precision = "no";  // no, bf16, fp16
+  int64_t bucket = 1000;         // reduce_bucket_size in elements
+  bool overlap = true;
+  bool freeze_embeddings = false;
+  bool step_lr = false;  // a LibTorch StepLR(step 3, gamma 0.5) on the optimizer
+  uint64_t seed = 7;
+};
+
+inline TinyGptOptions model_options() { return {}; }
+
+// Every sample: 9 tokens; the model reads the first 8 and predicts the last 8.
+inline at::Tensor make_tokens(int64_t samples) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+  return at::randint(0, model_options().vocab, {samples, model_options().seq + 1}, gen);
+}
+
+inline at::Tensor lm_loss(TinyGpt& model, const at::Tensor& tokens) {
+  const int64_t T = model_options().seq;
+  at::Tensor logits = model->forward(tokens.narrow(1, 0, T));
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                              tokens.narrow(1, 1, T).reshape({-1}));
+}
+
+inline void write_tensor(const std::string& path, const at::Tensor& t) {
+  at::Tensor c = t.to(at::kDouble).contiguous();
+  std::ofstream f(path, std::ios::binary);
+  f.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.nbytes()));
+}
+
+inline at::Tensor read_tensor(const std::string& path) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  if (!f) throw zeal::Error("cannot read " + path);
+  const auto n = static_cast<int64_t>(f.tellg()) / 8;
+  at::Tensor t = at::empty({n}, at::kDouble);
+  f.seekg(0);
+  f.read(static_cast<char*>(t.data_ptr()), n * 8);
+  return t;
+}
+
+inline at::Tensor flat_params(torch::nn::Module& m) {
+  std::vector<at::Tensor> parts;
+  for (auto& p : m.parameters()) parts.push_back(p.detach().to(at::kDouble).reshape({-1}));
+  return at::cat(parts);
+}
+
+inline std::string temp_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() / ("zeal_test_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+inline zeal::Config make_config(const RunSpec& s) {
+  zeal::Config c = zeal::Config::defaults(false);
+  c.zero.stage = s.stage;
+  c.gradient_accumulation_steps = {s.accumulation, false};
+  c.gradient_clipping = {0.0, false};  // clipping is the program's call (clip_grad_norm_)
+  c.zero.reduce_bucket_size = {s.bucket, false};
+  c.zero.overlap_comm = s.overlap;
+  c.mixed_precision = s.precision;
+  c.fp16.enabled = {s.precision == "fp16", false};
+  c.bf16_enabled = {s.precision == "bf16", false};
+  return c;
+}
+
+// What a run leaves in `dir`: params_<rank> (final parameters), losses (per optimizer step, the
+// mean over the global batch), norms (gradient norm before clipping), skipped (0/1 per step).
+struct RunResult {
+  std::vector<at::Tensor> params;  // per rank
+  at::Tensor losses, norms;
+};
+
+// Trains on ranks through the engine; `hook(engine, step, micro, loss)` may change the loss.
+using LossHook = std::function<at::Tensor(zeal::Engine&, int, int, at::Tensor)>;
+
+inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& dir, const LossHook& hook) {
+  zeal::Engine engine(make_config(s), rt);
+  at::manual_seed(s.seed);
+  TinyGpt model(model_options());
+  if (s.freeze_embeddings) {
+    model->wte->weight.set_requires_grad(false);
+    model->wpe->weight.set_requires_grad(false);
+  }
+  std::vector<at::Tensor> trainable;
+  for (auto& p : model->parameters()) {
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(s.lr).eps(s.eps).weight_decay(s.weight_decay));
+  torch::optim::StepLR step_lr(opt, 3, 0.5);
+  auto [m, o] = engine.prepare(model, opt);
+  auto sched = engine.prepare(step_lr);
+  const int64_t per_step = s.micro_batch * s.world * s.accumulation;
+  at::Tensor tokens = make_tokens(per_step * s.steps);
+  std::vector<double> losses, norms;
+  for (int step = 0; step < s.steps; ++step) {
+    double step_loss = 0;
+    for (int micro = 0; micro < s.accumulation; ++micro) {
+      auto guard = engine.accumulate(m);
+      const int64_t first = step * per_step + (micro * s.world + engine.process_index()) * s.micro_batch;
+      at::Tensor batch = tokens.narrow(0, first, s.micro_batch);
+      at::Tensor loss;
+      {
+        auto ac = engine.autocast();
+        loss = lm_loss(m, batch);
+      }
+      if (hook) loss = hook(engine, step, micro, loss);
+      engine.backward(loss);
+      step_loss += engine.reduce(loss.detach(), "mean").item<double>() / s.accumulation;
+      if (engine.sync_gradients() && s.clip > 0) norms.push_back(engine.clip_grad_norm_(s.clip));
+      o.step();
+      if (s.step_lr) sched.step();
+      o.zero_grad();
+    }
+    losses.push_back(step_loss);
+  }
+  write_tensor(dir + "/params_" + std::to_string(engine.process_index()), flat_params(*m));
+  if (engine.is_main_process()) {
+    write_tensor(dir + "/losses", at::tensor(losses, at::kDouble));
+    write_tensor(dir + "/norms", at::tensor(norms, at::kDouble));
+  }
+}
+
+inline RunResult run_engine(const RunSpec& s, const std::string& name, const LossHook& hook = {}) {
+  const std::string dir = temp_dir(name);
+  auto results = zeal::spawn([&](zeal::Runtime& rt) { train_rank(rt, s, dir, hook); }, s.world);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+  RunResult r;
+  for (int rank = 0; rank < s.world; ++rank) r.params.push_back(read_tensor(dir + "/params_" + std::to_string(rank)));
+  r.losses = read_tensor(dir + "/losses");
+  if (s.clip > 0) r.norms = read_tensor(dir + "/norms");
+  std::filesystem::remove_all(dir);
+  return r;
+}
+
+// The same training in one process: each step one forward over the whole global batch,
+// torch::nn::utils::clip_grad_norm_ and torch::optim::AdamW.
+inline RunResult run_reference(const RunSpec& s, int split = 1) {
+  at::manual_seed(s.seed);
+  TinyGpt model(model_options());
+  if (s.freeze_embeddings) {
+    model->wte->weight.set_requires_grad(false);
+    model->wpe->weight.set_requires_grad(false);
+  }
+  std::vector<at::Tensor> trainable;
+  for (auto& p : model->parameters()) {
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(s.lr).eps(s.eps).weight_decay(s.weight_decay));
+  torch::optim::StepLR step_lr(opt, 3, 0.5);
+  const int64_t per_step = s.micro_batch * s.world * s.accumulation;
+  at::Tensor tokens = make_tokens(per_step * s.steps);
+  std::vector<double> losses, norms;
+  for (int step = 0; step < s.steps; ++step) {
+    opt.zero_grad();
+    // `split` micro-batches, or the whole global batch at once.
+    double step_loss = 0;
+    const int64_t n = per_step / split;
+    for (int k = 0; k < split; ++k) {
+      at::Tensor loss = lm_loss(model, tokens.narrow(0, step * per_step + k * n, n)) / split;
+      loss.backward();
+      step_loss += loss.item<double>();
+    }
+    losses.push_back(step_loss);
+    if (s.clip > 0) norms.push_back(torch::nn::utils::clip_grad_norm_(trainable, s.clip));
+    opt.step();
+    if (s.step_lr) step_lr.step();
+  }
+  RunResult r;
+  r.params.push_back(flat_params(*model));
+  r.losses = at::tensor(losses, at::kDouble);
+  r.norms = at::tensor(norms, at::kDouble);
+  return r;
+}
+
+// Relative difference of two parameter vectors, parameter by parameter: the largest
+// max|a - b| / max|b| over the model's parameter tensors (each compared at its own scale, so a
+// parameter that stays near 0 is not judged against the largest one).
+inline double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  TinyGpt shape(model_options());
+  double worst = 0;
+  int64_t off = 0;
+  for (auto& p : shape->parameters()) {
+    const int64_t n = p.numel();
+    at::Tensor x = a.narrow(0, off, n), y = b.narrow(0, off, n);
+    worst = std::max(worst, (x - y).abs().max().item<double>() / std::max(y.abs().max().item<double>(), 1e-12));
+    off += n;
+  }
+  return worst;
+}
+
+}  // namespace zeal_test
