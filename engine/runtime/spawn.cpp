@@ -52,7 +52,7 @@ using Clock = std::chrono::steady_clock;
     Runtime rt(env, ro);
     fn(rt);
   } catch (const std::exception& e) {
-    failure = e.what();
+    failure = without_backtrace(e.what());
     code = 1;
   } catch (...) {
     failure = "unknown exception";

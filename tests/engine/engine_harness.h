@@ -39,6 +39,8 @@ struct RunSpec {
   bool freeze_embeddings = false;
   bool step_lr = false;  // a LibTorch StepLR(step 3, gamma 0.5) on the optimizer
   uint64_t seed = 7;
+  // fp16 loss scaling
+  int64_t initial_scale_power = 16, loss_scale_window = 1000, hysteresis = 2;
 };
 
 inline TinyGptOptions model_options() { return {}; }
@@ -94,13 +96,16 @@ inline zeal::Config make_config(const RunSpec& s) {
   c.mixed_precision = s.precision;
   c.fp16.enabled = {s.precision == "fp16", false};
   c.bf16_enabled = {s.precision == "bf16", false};
+  c.fp16.initial_scale_power = s.initial_scale_power;
+  c.fp16.loss_scale_window = s.loss_scale_window;
+  c.fp16.hysteresis = s.hysteresis;
   return c;
 }
 
 // What a run leaves in `dir`: params_<rank> (final parameters), losses (per optimizer step, the
 // mean over the global batch), norms (gradient norm before clipping), skipped (0/1 per step).
 struct RunResult {
-  std::vector<at::Tensor> params;  // per rank
+  std::vector<at::Tensor> params, skipped, scales, memory, trajectory;  // per rank
   at::Tensor losses, norms;
 };
 
@@ -125,7 +130,8 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
   auto sched = engine.prepare(step_lr);
   const int64_t per_step = s.micro_batch * s.world * s.accumulation;
   at::Tensor tokens = make_tokens(per_step * s.steps);
-  std::vector<double> losses, norms;
+  std::vector<double> losses, norms, skipped, scales;
+  std::vector<at::Tensor> trajectory{flat_params(*m)};  // before the first step, then after each
   for (int step = 0; step < s.steps; ++step) {
     double step_loss = 0;
     for (int micro = 0; micro < s.accumulation; ++micro) {
@@ -142,12 +148,27 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
       step_loss += engine.reduce(loss.detach(), "mean").item<double>() / s.accumulation;
       if (engine.sync_gradients() && s.clip > 0) norms.push_back(engine.clip_grad_norm_(s.clip));
       o.step();
+      if (engine.sync_gradients()) {
+        skipped.push_back(engine.optimizer_step_was_skipped());
+        scales.push_back(engine.loss_scale());
+      }
       if (s.step_lr) sched.step();
       o.zero_grad();
     }
     losses.push_back(step_loss);
+    trajectory.push_back(flat_params(*m));
   }
-  write_tensor(dir + "/params_" + std::to_string(engine.process_index()), flat_params(*m));
+  const std::string me = std::to_string(engine.process_index());
+  write_tensor(dir + "/params_" + me, flat_params(*m));
+  write_tensor(dir + "/skipped_" + me, at::tensor(skipped, at::kDouble));
+  write_tensor(dir + "/scales_" + me, at::tensor(scales, at::kDouble));
+  write_tensor(dir + "/trajectory_" + me, at::stack(trajectory));
+  const zeal::MemoryReport mem = engine.memory();
+  write_tensor(dir + "/memory_" + me,
+               at::tensor(std::vector<double>{double(mem.params), double(mem.grads), double(mem.master),
+                                              double(mem.optimizer_states), double(mem.frozen_params),
+                                              double(engine.num_trainable_parameters())},
+                          at::kDouble));
   if (engine.is_main_process()) {
     write_tensor(dir + "/losses", at::tensor(losses, at::kDouble));
     write_tensor(dir + "/norms", at::tensor(norms, at::kDouble));
@@ -159,7 +180,14 @@ inline RunResult run_engine(const RunSpec& s, const std::string& name, const Los
   auto results = zeal::spawn([&](zeal::Runtime& rt) { train_rank(rt, s, dir, hook); }, s.world);
   EXPECT_EQ(zeal::describe_failures(results), "");
   RunResult r;
-  for (int rank = 0; rank < s.world; ++rank) r.params.push_back(read_tensor(dir + "/params_" + std::to_string(rank)));
+  for (int rank = 0; rank < s.world; ++rank) {
+    const std::string me = std::to_string(rank);
+    r.params.push_back(read_tensor(dir + "/params_" + me));
+    r.skipped.push_back(read_tensor(dir + "/skipped_" + me));
+    r.scales.push_back(read_tensor(dir + "/scales_" + me));
+    r.memory.push_back(read_tensor(dir + "/memory_" + me));
+    r.trajectory.push_back(read_tensor(dir + "/trajectory_" + me).view({s.steps + 1, -1}));
+  }
   r.losses = read_tensor(dir + "/losses");
   if (s.clip > 0) r.norms = read_tensor(dir + "/norms");
   std::filesystem::remove_all(dir);
@@ -220,6 +248,11 @@ inline double rel_diff(const at::Tensor& a, const at::Tensor& b) {
     off += n;
   }
   return worst;
+}
+
+// max |a - b| / max |b| over the whole vector (for models other than TinyGpt).
+inline double rel_diff_plain(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
 }
 
 }  // namespace zeal_test

@@ -1,0 +1,332 @@
+// zeal::Engine features on several ranks: bf16 against fp32, fp16 overflow handling, frozen
+// parameters, memory accounting against DESIGN.md's stage table, the prepared data loader with
+// gather_for_metrics, accumulation at the end of the data, schedules from the config, and the
+// collectives on results.
+#include "tests/engine/engine_harness.h"
+
+#include <torch/data/datasets/base.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+#include <thread>
+
+#include "engine/memory.h"
+
+namespace zeal_test {
+namespace {
+
+// bf16 compute with an fp32 master follows the fp32 run: the loss curve within 2 % at every step.
+TEST(Precision, Bf16FollowsFp32) {
+  RunSpec s;
+  s.world = 2;
+  s.stage = 2;
+  s.accumulation = 2;
+  const RunResult fp32 = run_engine(s, "fp32");
+  s.precision = "bf16";
+  const RunResult bf16 = run_engine(s, "bf16");
+  const double loss_err = ((bf16.losses - fp32.losses).abs() / fp32.losses).max().item<double>();
+  const double param_err = rel_diff(bf16.params[0], fp32.params[0]);
+  std::printf("[ metric ] bf16 vs fp32: max relative loss difference %.3g, parameters %.3g\n", loss_err, param_err);
+  for (int i = 0; i < s.steps; ++i) {
+    std::printf("[ metric ]   step %d loss fp32 %.6f bf16 %.6f\n", i, fp32.losses[i].item<double>(),
+                bf16.losses[i].item<double>());
+  }
+  EXPECT_LE(loss_err, 2e-2);
+  EXPECT_LE(param_err, 5e-2);
+  EXPECT_GT(loss_err, 0.0) << "bf16 should not be bit-identical to fp32: was it used?";
+  EXPECT_LT(fp32.losses[s.steps - 1].item<double>(), fp32.losses[0].item<double>());
+}
+
+// fp16: an inf in one rank's loss at step 3 skips that step on every rank (parameters unchanged
+// bit for bit), halves the scale (hysteresis 1), and the scale doubles again after
+// loss_scale_window good steps.
+TEST(Precision, Fp16OverflowSkipsEverywhereHalvesAndRecovers) {
+  RunSpec s;
+  s.world = 3;
+  s.stage = 2;
+  s.precision = "fp16";
+  s.initial_scale_power = 10;
+  s.loss_scale_window = 3;
+  s.hysteresis = 1;
+  const int bad = 3;
+  const RunResult r = run_engine(s, "fp16", [&](zeal::Engine& e, int step, int, at::Tensor loss) {
+    if (step == bad && e.process_index() == 1) return loss * std::numeric_limits<float>::infinity();
+    return loss;
+  });
+  for (int rank = 0; rank < s.world; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    const auto& skipped = r.skipped[rank];
+    const auto& scales = r.scales[rank];
+    for (int i = 0; i < s.steps; ++i) EXPECT_EQ(skipped[i].item<double>(), i == bad ? 1.0 : 0.0) << "step " << i;
+    // The skipped step left every parameter as it was; the others moved.
+    EXPECT_TRUE(at::equal(r.trajectory[rank][bad + 1], r.trajectory[rank][bad]));
+    EXPECT_FALSE(at::equal(r.trajectory[rank][bad + 2], r.trajectory[rank][bad + 1]));
+    const double before = scales[bad - 1].item<double>(), after = scales[bad].item<double>();
+    EXPECT_EQ(after, before / 2);
+    // Scale after step i; it doubles once loss_scale_window steps passed without overflow.
+    EXPECT_EQ(scales[bad + s.loss_scale_window - 1].item<double>(), after);
+    EXPECT_EQ(scales[bad + s.loss_scale_window].item<double>(), after * 2);
+    EXPECT_TRUE(at::equal(r.params[rank], r.params[0]));
+  }
+  EXPECT_TRUE(std::isfinite(r.params[0].sum().item<double>()));
+}
+
+// Frozen parameters: no gradient, no optimizer state, no communication; bit for bit unchanged,
+// and the rest still matches one-process LibTorch.
+TEST(Frozen, EmbeddingsStayBitForBitAndTheRestMatches) {
+  for (int stage : {0, 1, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    RunSpec s;
+    s.world = 2;
+    s.stage = stage;
+    s.freeze_embeddings = true;
+    const RunResult got = run_engine(s, "frozen" + std::to_string(stage));
+    const RunResult ref = run_reference(s);
+    at::manual_seed(s.seed);
+    TinyGpt init(model_options());
+    const int64_t frozen = init->wte->weight.numel() + init->wpe->weight.numel();  // registered first
+    EXPECT_TRUE(at::equal(got.params[0].narrow(0, 0, frozen), flat_params(*init).narrow(0, 0, frozen)));
+    EXPECT_LE(rel_diff(got.params[0], ref.params[0]), 1e-5);
+    // Accounting: the frozen bytes are the embeddings in fp32, and the trainable count leaves them out.
+    EXPECT_EQ(got.memory[0][4].item<double>(), frozen * 4.0);
+    EXPECT_EQ(got.memory[0][5].item<double>(), flat_params(*init).numel() - frozen);
+  }
+}
+
+// Accounting: params + grads + master + optimizer states per rank within 5 % of DESIGN.md's table.
+TEST(Accounting, ModelStatesMatchTheStageTable) {
+  for (const char* precision : {"no", "bf16"}) {
+    for (int world : {2, 4}) {
+      for (int stage : {0, 1, 2}) {
+        RunSpec s;
+        s.world = world;
+        s.stage = stage;
+        s.steps = 1;
+        s.bucket = 100'000'000;
+        s.precision = precision;
+        const RunResult r = run_engine(s, fmt::format("mem{}{}{}", precision, world, stage));
+        for (int rank = 0; rank < world; ++rank) {
+          const auto& m = r.memory[rank];
+          const double held = m[0].item<double>() + m[1].item<double>() + m[2].item<double>() + m[3].item<double>();
+          zeal::StageModel model;
+          model.stage = stage;
+          model.psi = static_cast<int64_t>(m[5].item<double>());
+          model.world = world;
+          model.param_bytes = model.grad_bytes = std::string(precision) == "bf16" ? 2 : 4;
+          const double expected = zeal::expected_model_state_bytes(model);
+          std::printf("[ metric ] %s world %d stage %d rank %d: %.0f bytes held, table says %.0f (%+.2f %%)\n",
+                      precision, world, stage, rank, held, expected, 100.0 * (held - expected) / expected);
+          EXPECT_LE(std::abs(held - expected) / expected, 0.05) << precision << " world " << world << " stage " << stage;
+        }
+      }
+    }
+  }
+}
+
+// --- the data loader ----------------------------------------------------------------------------
+
+struct Indices : torch::data::datasets::Dataset<Indices> {
+  explicit Indices(int64_t n) : n(n) {}
+  torch::data::Example<> get(size_t i) override {
+    return {at::full({1}, static_cast<float>(i)), at::full({}, static_cast<int64_t>(i))};
+  }
+  std::optional<size_t> size() const override { return n; }
+  int64_t n;
+};
+
+// Every rank iterates a disjoint part in the same shuffled order; gather_for_metrics returns
+// exactly the dataset (sizes no world size divides); the order changes with the epoch.
+TEST(Loader, GatherForMetricsReturnsTheDatasetExactly) {
+  for (int world : {1, 3, 4}) {
+    for (bool split : {false, true}) {
+      SCOPED_TRACE(fmt::format("world {} split_batches {}", world, split));
+      const std::string dir = temp_dir("loader");
+      auto results = zeal::spawn(
+          [&](zeal::Runtime& rt) {
+            zeal::Engine engine(make_config(RunSpec{}), rt);
+            zeal::DataLoader loader(Indices(10),
+                                    {.batch_size = split ? 2 * world : 3, .shuffle = true, .seed = 5, .split_batches = split});
+            loader = engine.prepare(loader);
+            const int64_t per_rank = split ? 2 : 3;
+            const int64_t expected_batches = (10 + per_rank * world - 1) / (per_rank * world);
+            if (loader.size() != expected_batches) {
+              throw zeal::Error(fmt::format("{} batches per rank, expected {}", loader.size(), expected_batches));
+            }
+            std::vector<at::Tensor> epochs;
+            for (int epoch = 0; epoch < 2; ++epoch) {
+              std::vector<at::Tensor> seen;
+              for (auto& batch : loader) seen.push_back(engine.gather_for_metrics(batch.target));
+              epochs.push_back(at::cat(seen));
+            }
+            if (engine.is_main_process()) {
+              write_tensor(dir + "/epoch0", epochs[0]);
+              write_tensor(dir + "/epoch1", epochs[1]);
+            }
+          },
+          world);
+      ASSERT_EQ(zeal::describe_failures(results), "");
+      const at::Tensor e0 = read_tensor(dir + "/epoch0"), e1 = read_tensor(dir + "/epoch1");
+      std::filesystem::remove_all(dir);
+      EXPECT_TRUE(at::equal(std::get<0>(e0.sort()), at::arange(10, at::kDouble)));
+      EXPECT_TRUE(at::equal(std::get<0>(e1.sort()), at::arange(10, at::kDouble)));
+      EXPECT_FALSE(at::equal(e0, e1)) << "the shuffle should change with the epoch";
+    }
+  }
+}
+
+// With accumulation 3 and 5 batches per rank, the gradients sync at micro-steps 3 and 5 (the end
+// of the data): two optimizer steps per epoch, and zero_grad keeps the partial sum in between.
+TEST(Loader, AccumulationSyncsAtTheEndOfTheData) {
+  auto results = zeal::spawn(
+      [](zeal::Runtime& rt) {
+        RunSpec s;
+        s.accumulation = 3;
+        zeal::Engine engine(make_config(s), rt);
+        torch::nn::Linear model(1, 1);
+        torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+        zeal::DataLoader loader(Indices(10), {.batch_size = 1});
+        auto [m, o, l] = engine.prepare(model, opt, loader);
+        std::vector<bool> syncs;
+        for (auto& batch : l) {
+          auto guard = engine.accumulate(m);
+          engine.backward(m->forward(batch.data).sum());
+          syncs.push_back(engine.sync_gradients());
+          o.step();
+          o.zero_grad();
+        }
+        const std::vector<bool> expected{false, false, true, false, true};
+        if (syncs != expected) throw zeal::Error("sync pattern differs");
+        if (engine.optimizer_steps() != 2) throw zeal::Error(fmt::format("{} steps", engine.optimizer_steps()));
+      },
+      2);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+}
+
+// --- the config's optimizer and schedule -----------------------------------------------------
+
+// optimizer.type SGD and a linear WarmupLR from the config: step t runs at lr_at(t), checked
+// against torch::optim::SGD with that rate set by hand.
+TEST(Config, OptimizerAndScheduleFromTheConfig) {
+  const std::string dir = temp_dir("config_opt");
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Config c = make_config(RunSpec{});
+        c.zero.stage = 1;
+        c.optimizer.type = "SGD";
+        c.optimizer.lr = {0.1, false};
+        c.scheduler.type = "WarmupLR";
+        c.scheduler.warmup_min_lr = {0.0, false};
+        c.scheduler.warmup_max_lr = {0.1, false};
+        c.scheduler.warmup_num_steps = {4, false};
+        c.scheduler.warmup_type = "linear";
+        zeal::Engine engine(c, rt);
+        at::manual_seed(3);
+        torch::nn::Linear model(3, 2);
+        auto m = engine.prepare(model);
+        at::Tensor x = at::ones({4, 3});
+        for (int i = 0; i < 6; ++i) {
+          engine.backward(m->forward(x).pow(2).sum());
+          engine.step();
+        }
+        if (engine.is_main_process()) write_tensor(dir + "/params", flat_params(*m));
+      },
+      2);
+  ASSERT_EQ(zeal::describe_failures(results), "");
+  at::manual_seed(3);
+  torch::nn::Linear ref(3, 2);
+  torch::optim::SGD opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  at::Tensor x = at::ones({4, 3});
+  for (int t = 0; t < 6; ++t) {
+    opt.zero_grad();
+    ref->forward(x).pow(2).sum().backward();
+    static_cast<torch::optim::SGDOptions&>(opt.param_groups()[0].options()).lr(0.1 * std::min(t, 4) / 4.0);
+    opt.step();
+  }
+  EXPECT_LE(rel_diff_plain(read_tensor(dir + "/params"), flat_params(*ref)), 1e-6);
+  std::filesystem::remove_all(dir);
+}
+
+// --- collectives on results ------------------------------------------------------------------
+
+TEST(Results, GatherReducePadAndMainProcessFirst) {
+  const std::string dir = temp_dir("results");
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(make_config(RunSpec{}), rt);
+        const int r = engine.process_index(), w = engine.num_processes();
+        auto check = [&](bool ok, const std::string& what) {
+          if (!ok) throw zeal::Error("rank " + std::to_string(r) + ": " + what);
+        };
+        // Uneven first dimensions: rank r contributes r + 1 rows of value r.
+        at::Tensor g = engine.gather(at::full({r + 1, 2}, static_cast<float>(r)));
+        std::vector<at::Tensor> expected;
+        for (int k = 0; k < w; ++k) expected.push_back(at::full({k + 1, 2}, static_cast<float>(k)));
+        check(at::equal(g, at::cat(expected)), "gather of uneven sizes");
+        check(at::equal(engine.gather(at::scalar_tensor(r, at::kLong)), at::arange(w, at::kLong)), "gather of 0-d");
+        at::Tensor v = at::full({3}, static_cast<double>(r + 1), at::kDouble);
+        check(at::allclose(engine.reduce(v, "sum"), at::full({3}, w * (w + 1) / 2.0, at::kDouble)), "reduce sum");
+        check(at::allclose(engine.reduce(v, "mean"), at::full({3}, (w + 1) / 2.0, at::kDouble)), "reduce mean");
+        check(at::equal(v, at::full({3}, static_cast<double>(r + 1), at::kDouble)), "reduce left its input");
+        at::Tensor p = engine.pad_across_processes(at::ones({2, r + 1}), 1, -1, true);
+        check(p.size(1) == w && p.narrow(1, w - r - 1, r + 1).eq(1).all().item<bool>() &&
+                  (w - r - 1 == 0 || p.narrow(1, 0, w - r - 1).eq(-1).all().item<bool>()),
+              "pad_across_processes");
+        // The main process finishes its block before any other rank enters.
+        {
+          auto first = engine.main_process_first();
+          if (engine.is_main_process()) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(300));
+            std::ofstream(dir + "/main_done") << "done";
+          } else {
+            check(std::filesystem::exists(dir + "/main_done"), "entered before the main process finished");
+          }
+        }
+        engine.wait_for_everyone();
+        check(engine.is_local_main_process() == (r == 0), "local main");
+        check(engine.device() == at::Device(at::kCPU), "device");
+        check(engine.zero_stage() == 0, "zero stage");
+      },
+      3);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+  std::filesystem::remove_all(dir);
+}
+
+// Clear errors for the mistakes users make.
+TEST(Errors, NameTheProblem) {
+  auto results = zeal::spawn(
+      [](zeal::Runtime& rt) {
+        auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
+          try {
+            f();
+          } catch (const zeal::Error& e) {
+            if (std::string(e.what()).find(needle) == std::string::npos) {
+              throw zeal::Error("error '" + std::string(e.what()) + "' does not mention '" + needle + "'");
+            }
+            return;
+          }
+          throw zeal::Error("no error; expected one about '" + needle + "'");
+        };
+        {
+          zeal::Engine engine(make_config(RunSpec{}), rt);
+          torch::nn::Linear model(2, 2);
+          torch::optim::SGD opt(std::vector<at::Tensor>{model->weight}, torch::optim::SGDOptions(0.1));
+          expect_error([&] { engine.prepare(model, opt); }, "'bias' requires grad but is in none");
+        }
+        {
+          zeal::Engine engine(make_config(RunSpec{}), rt);
+          expect_error([&] { engine.backward(at::ones({1}, at::requires_grad())); }, "prepare the model");
+        }
+        zeal::Config c = make_config(RunSpec{});
+        c.zero.stage = 3;
+        expect_error([&] { zeal::Engine e(c, rt); }, "zero_optimization.stage 3");
+      },
+      1);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+}
+
+}  // namespace
+}  // namespace zeal_test
