@@ -104,7 +104,7 @@ class DataLoader {
   using Batch = std::decay_t<decltype(std::declval<const Collate&>()(std::vector<Example>{}))>;
 
   DataLoader(Dataset dataset, LoaderOptions options = {}, Collate collate = {})
-      : s_(std::make_shared<State>(State{std::move(dataset), options, std::move(collate)})) {
+      : s_(std::make_shared<State>(std::move(dataset), options, std::move(collate))) {
     s_->size = data::dataset_size(s_->dataset);
     replan();
   }
@@ -194,6 +194,7 @@ class DataLoader {
 
  private:
   struct State {
+    State(Dataset d, LoaderOptions o, Collate c) : dataset(std::move(d)), options(o), collate(std::move(c)) {}
     Dataset dataset;
     LoaderOptions options;
     Collate collate;

@@ -56,6 +56,11 @@ class AdamImpl final : public Optimizer {
     params.addcdiv_(exp_avg_, denom, -h.lr / bc1);
   }
 
+  void allocate_state(const at::Tensor& params) override {
+    exp_avg_ = at::zeros_like(params);
+    exp_avg_sq_ = at::zeros_like(params);
+  }
+
   std::map<std::string, at::Tensor> state() const override {
     if (!exp_avg_.defined()) return {};
     return {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}};
@@ -85,6 +90,9 @@ class SgdImpl final : public Optimizer {
     if (h.momentum != 0) {
       if (!buf_.defined()) {
         buf_ = g.clone();
+      } else if (steps_ == 1) {  // allocated ahead: the first step starts it, as LibTorch's does
+        if (buf_.numel() != params.numel()) throw Error("SGD: the partition changed size");
+        buf_.copy_(g);
       } else {
         if (buf_.numel() != params.numel()) throw Error("SGD: the partition changed size");
         buf_.mul_(h.momentum).add_(g);
@@ -92,6 +100,10 @@ class SgdImpl final : public Optimizer {
       g = h.nesterov ? g.add(buf_, h.momentum) : buf_;
     }
     params.add_(g, -h.lr);
+  }
+
+  void allocate_state(const at::Tensor& params) override {
+    if (hyper_.momentum != 0) buf_ = at::zeros_like(params);
   }
 
   std::map<std::string, at::Tensor> state() const override {

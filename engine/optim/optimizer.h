@@ -37,6 +37,9 @@ class Optimizer {
   // One step over `params` (fp32, contiguous, 1-D) with `grads` (same size; fp32). State is
   // created at the first step. Throws zeal::Error on a size change or wrong dtype.
   virtual void step(const at::Tensor& params, const at::Tensor& grads) = 0;
+  // Creates the state for `params` now instead of at the first step (so memory is held, and
+  // reported, from the start).
+  virtual void allocate_state(const at::Tensor& params) = 0;
   // The state tensors by name ("exp_avg", "exp_avg_sq", "momentum_buffer"), for checkpoints.
   virtual std::map<std::string, at::Tensor> state() const = 0;
   // Bytes of optimizer state held (0 before the first step).

@@ -100,6 +100,7 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
   }
   if (world > 1 && padded_ > 0) comm_.broadcast(init, 0).wait();
   master_ = at::empty({owned_total_}, fp32);
+  optimizer_->allocate_state(master_);
   for (int b = 0; b < num_buckets(); ++b) {
     master_.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(init, b));
   }

@@ -58,6 +58,24 @@ TEST(Optimizer, SgdMomentumAndNesterovMatchTorchOptimSGD) {
   }
 }
 
+// State allocated ahead (as the engine does) changes nothing: same steps as created lazily.
+TEST(Optimizer, StateAllocatedAheadGivesTheSameSteps) {
+  const int64_t n = 257;
+  for (auto make : {+[] { return make_sgd(Hyper{.lr = 0.05, .momentum = 0.9}); },
+                    +[] { return make_adamw(Hyper{.lr = 1e-2, .weight_decay = 0.1}); }}) {
+    auto lazy = make(), ahead = make();
+    at::Tensor p1 = torch::randn({n}), p2 = p1.clone();
+    ahead->allocate_state(p2);
+    EXPECT_EQ(ahead->state_bytes(), ahead->state_bytes_per_param() * n);
+    for (int step = 0; step < 5; ++step) {
+      at::Tensor g = torch::randn({n});
+      lazy->step(p1, g);
+      ahead->step(p2, g);
+    }
+    EXPECT_TRUE(at::equal(p1, p2)) << lazy->name();
+  }
+}
+
 TEST(Optimizer, LearningRateChangesTakeEffect) {
   // lr 0 leaves AdamW's parameters where they were (decoupled decay is lr-scaled too).
   auto opt = make_adamw(Hyper{.lr = 1e-2, .weight_decay = 0.5});
