@@ -54,29 +54,26 @@ at::ScalarType dtype_of(Precision p) {
   }
 }
 
-// Hyperparameters of a LibTorch optimizer's parameter group, and the zeal optimizer for them.
-std::unique_ptr<optim::Optimizer> optimizer_for(torch::optim::OptimizerOptions& options, size_t group) {
+// Adam's and AdamW's options have the same fields.
+template <class Options>
+optim::Hyper adam_hyper(const Options& o, const char* name, size_t group) {
+  if (o.amsgrad()) throw Error(fmt::format("parameter group {}: {} with amsgrad is not supported", group, name));
   optim::Hyper h;
-  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
-    if (o->amsgrad()) throw Error(fmt::format("parameter group {}: AdamW with amsgrad is not supported", group));
-    h.lr = o->lr();
-    h.beta1 = std::get<0>(o->betas());
-    h.beta2 = std::get<1>(o->betas());
-    h.eps = o->eps();
-    h.weight_decay = o->weight_decay();
-    return optim::make_adamw(h);
-  }
-  if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
-    if (o->amsgrad()) throw Error(fmt::format("parameter group {}: Adam with amsgrad is not supported", group));
-    h.lr = o->lr();
-    h.beta1 = std::get<0>(o->betas());
-    h.beta2 = std::get<1>(o->betas());
-    h.eps = o->eps();
-    h.weight_decay = o->weight_decay();
-    return optim::make_adam(h);
-  }
+  h.lr = o.lr();
+  h.beta1 = std::get<0>(o.betas());
+  h.beta2 = std::get<1>(o.betas());
+  h.eps = o.eps();
+  h.weight_decay = o.weight_decay();
+  return h;
+}
+
+// The zeal optimizer for a LibTorch optimizer's parameter group, with its hyperparameters.
+std::unique_ptr<optim::Optimizer> optimizer_for(torch::optim::OptimizerOptions& options, size_t group) {
+  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) return optim::make_adamw(adam_hyper(*o, "AdamW", group));
+  if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) return optim::make_adam(adam_hyper(*o, "Adam", group));
   if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
     if (o->dampening() != 0) throw Error(fmt::format("parameter group {}: SGD with dampening is not supported", group));
+    optim::Hyper h;
     h.lr = o->lr();
     h.momentum = o->momentum();
     h.weight_decay = o->weight_decay();

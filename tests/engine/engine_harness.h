@@ -102,6 +102,31 @@ inline zeal::Config make_config(const RunSpec& s) {
   return c;
 }
 
+// The model (seeded), its trainable parameters, AdamW over them and a StepLR, as both the ranks
+// and the reference build them.
+struct Setup {
+  TinyGpt model;
+  std::vector<at::Tensor> trainable;
+  std::unique_ptr<torch::optim::AdamW> opt;
+  std::unique_ptr<torch::optim::StepLR> step_lr;
+};
+
+inline Setup make_setup(const RunSpec& s) {
+  at::manual_seed(s.seed);
+  Setup u{TinyGpt(model_options()), {}, nullptr, nullptr};
+  if (s.freeze_embeddings) {
+    u.model->wte->weight.set_requires_grad(false);
+    u.model->wpe->weight.set_requires_grad(false);
+  }
+  for (auto& p : u.model->parameters()) {
+    if (p.requires_grad()) u.trainable.push_back(p);
+  }
+  u.opt = std::make_unique<torch::optim::AdamW>(
+      u.trainable, torch::optim::AdamWOptions(s.lr).eps(s.eps).weight_decay(s.weight_decay));
+  u.step_lr = std::make_unique<torch::optim::StepLR>(*u.opt, 3, 0.5);
+  return u;
+}
+
 // What a run leaves in `dir`: params_<rank> (final parameters), losses (per optimizer step, the
 // mean over the global batch), norms (gradient norm before clipping), skipped (0/1 per step).
 struct RunResult {
@@ -114,20 +139,9 @@ using LossHook = std::function<at::Tensor(zeal::Engine&, int, int, at::Tensor)>;
 
 inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& dir, const LossHook& hook) {
   zeal::Engine engine(make_config(s), rt);
-  at::manual_seed(s.seed);
-  TinyGpt model(model_options());
-  if (s.freeze_embeddings) {
-    model->wte->weight.set_requires_grad(false);
-    model->wpe->weight.set_requires_grad(false);
-  }
-  std::vector<at::Tensor> trainable;
-  for (auto& p : model->parameters()) {
-    if (p.requires_grad()) trainable.push_back(p);
-  }
-  torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(s.lr).eps(s.eps).weight_decay(s.weight_decay));
-  torch::optim::StepLR step_lr(opt, 3, 0.5);
-  auto [m, o] = engine.prepare(model, opt);
-  auto sched = engine.prepare(step_lr);
+  Setup u = make_setup(s);
+  auto [m, o] = engine.prepare(u.model, *u.opt);
+  auto sched = engine.prepare(*u.step_lr);
   const int64_t per_step = s.micro_batch * s.world * s.accumulation;
   at::Tensor tokens = make_tokens(per_step * s.steps);
   std::vector<double> losses, norms, skipped, scales;
@@ -197,18 +211,11 @@ inline RunResult run_engine(const RunSpec& s, const std::string& name, const Los
 // The same training in one process: each step one forward over the whole global batch,
 // torch::nn::utils::clip_grad_norm_ and torch::optim::AdamW.
 inline RunResult run_reference(const RunSpec& s, int split = 1) {
-  at::manual_seed(s.seed);
-  TinyGpt model(model_options());
-  if (s.freeze_embeddings) {
-    model->wte->weight.set_requires_grad(false);
-    model->wpe->weight.set_requires_grad(false);
-  }
-  std::vector<at::Tensor> trainable;
-  for (auto& p : model->parameters()) {
-    if (p.requires_grad()) trainable.push_back(p);
-  }
-  torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(s.lr).eps(s.eps).weight_decay(s.weight_decay));
-  torch::optim::StepLR step_lr(opt, 3, 0.5);
+  Setup u = make_setup(s);
+  auto& model = u.model;
+  auto& opt = *u.opt;
+  auto& step_lr = *u.step_lr;
+  auto& trainable = u.trainable;
   const int64_t per_step = s.micro_batch * s.world * s.accumulation;
   at::Tensor tokens = make_tokens(per_step * s.steps);
   std::vector<double> losses, norms;
