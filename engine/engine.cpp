@@ -68,9 +68,16 @@ optim::Hyper adam_hyper(const Options& o, const char* name, size_t group) {
 }
 
 // The zeal optimizer for a LibTorch optimizer's parameter group, with its hyperparameters.
-std::unique_ptr<optim::Optimizer> optimizer_for(torch::optim::OptimizerOptions& options, size_t group) {
-  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) return optim::make_adamw(adam_hyper(*o, "AdamW", group));
-  if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) return optim::make_adam(adam_hyper(*o, "Adam", group));
+// Adam and AdamW on CPU partitions run the fused SIMD kernel.
+std::unique_ptr<optim::Optimizer> optimizer_for(torch::optim::OptimizerOptions& options, size_t group, bool cpu) {
+  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+    const auto h = adam_hyper(*o, "AdamW", group);
+    return cpu ? optim::make_fused_cpu_adamw(h) : optim::make_adamw(h);
+  }
+  if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
+    const auto h = adam_hyper(*o, "Adam", group);
+    return cpu ? optim::make_fused_cpu_adam(h) : optim::make_adam(h);
+  }
   if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
     if (o->dampening() != 0) throw Error(fmt::format("parameter group {}: SGD with dampening is not supported", group));
     optim::Hyper h;
@@ -223,11 +230,11 @@ void Engine::build_zero() {
         }
         group_of[it->second] = static_cast<int>(g);
       }
-      groups.push_back({{}, {}, optimizer_for(pgs[g].options(), g)});
+      groups.push_back({{}, {}, optimizer_for(pgs[g].options(), g, device_.is_cpu())});
       state_->base_lrs.push_back(pgs[g].options().get_lr());
     }
   } else {
-    groups.push_back({{}, {}, optim::make_optimizer(config_.optimizer)});
+    groups.push_back({{}, {}, optim::make_optimizer(config_.optimizer, device_.is_cpu())});
     state_->base_lrs.push_back(config_.optimizer.lr.value);
     for (size_t i = 0; i < all.size(); ++i) group_of[i] = 0;
   }

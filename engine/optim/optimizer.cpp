@@ -9,6 +9,7 @@
 
 #include "engine/config/config.h"
 #include "engine/error.h"
+#include "engine/optim/adam_state.h"
 
 namespace zeal::optim {
 namespace {
@@ -24,19 +25,14 @@ void check(const at::Tensor& params, const at::Tensor& grads, const char* who) {
   if (!params.is_contiguous() || !grads.is_contiguous()) throw Error(fmt::format("{}: tensors must be contiguous", who));
 }
 
-class AdamImpl final : public Optimizer {
+class AdamImpl final : public AdamState {
  public:
-  AdamImpl(Hyper h, bool decoupled) : Optimizer(h), decoupled_(decoupled) {}
+  AdamImpl(Hyper h, bool decoupled) : AdamState(h, decoupled) {}
   std::string name() const override { return decoupled_ ? "AdamW" : "Adam"; }
 
   void step(const at::Tensor& params, const at::Tensor& grads) override {
     check(params, grads, decoupled_ ? "AdamW" : "Adam");
-    if (!exp_avg_.defined()) {
-      exp_avg_ = at::zeros_like(params);
-      exp_avg_sq_ = at::zeros_like(params);
-    } else if (exp_avg_.numel() != params.numel()) {
-      throw Error(fmt::format("{}: the partition changed from {} to {} elements", name(), exp_avg_.numel(), params.numel()));
-    }
+    ensure_state(params);
     c10::NoGradGuard no_grad;
     ++steps_;
     const Hyper& h = hyper_;
@@ -55,22 +51,6 @@ class AdamImpl final : public Optimizer {
     at::Tensor denom = (exp_avg_sq_.sqrt() / std::sqrt(bc2)).add_(h.eps);
     params.addcdiv_(exp_avg_, denom, -h.lr / bc1);
   }
-
-  void allocate_state(const at::Tensor& params) override {
-    exp_avg_ = at::zeros_like(params);
-    exp_avg_sq_ = at::zeros_like(params);
-  }
-
-  std::map<std::string, at::Tensor> state() const override {
-    if (!exp_avg_.defined()) return {};
-    return {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}};
-  }
-  int64_t state_bytes() const override { return exp_avg_.defined() ? 2 * exp_avg_.nbytes() : 0; }
-  int64_t state_bytes_per_param() const override { return 8; }
-
- private:
-  bool decoupled_;
-  at::Tensor exp_avg_, exp_avg_sq_;
 };
 
 class SgdImpl final : public Optimizer {
@@ -123,7 +103,7 @@ std::unique_ptr<Optimizer> make_adam(const Hyper& h) { return std::make_unique<A
 std::unique_ptr<Optimizer> make_adamw(const Hyper& h) { return std::make_unique<AdamImpl>(h, true); }
 std::unique_ptr<Optimizer> make_sgd(const Hyper& h) { return std::make_unique<SgdImpl>(h); }
 
-std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& c) {
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& c, bool fused_cpu) {
   auto need = [](const auto& v, const char* key) {
     if (v.is_auto) throw Error(fmt::format("optimizer.params.{} is \"auto\" and was not resolved (call Config::resolve_auto)", key));
     return v.value;
@@ -137,8 +117,8 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& c) {
   h.weight_decay = need(c.weight_decay, "weight_decay");
   h.momentum = c.momentum;
   h.nesterov = c.nesterov;
-  if (c.type == "Adam") return make_adam(h);
-  if (c.type == "AdamW") return make_adamw(h);
+  if (c.type == "Adam") return fused_cpu ? make_fused_cpu_adam(h) : make_adam(h);
+  if (c.type == "AdamW") return fused_cpu ? make_fused_cpu_adamw(h) : make_adamw(h);
   if (c.type == "SGD") return make_sgd(h);
   throw Error(fmt::format("optimizer.type '{}' is not one zeal implements (Adam, AdamW, SGD){}", c.type,
                           c.type.empty() ? "; pass your own optimizer to the engine instead" : ""));

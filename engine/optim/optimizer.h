@@ -61,13 +61,18 @@ class Optimizer {
 std::unique_ptr<Optimizer> make_adam(const Hyper& h);
 // Adam with decoupled weight decay (torch.optim.AdamW).
 std::unique_ptr<Optimizer> make_adamw(const Hyper& h);
+// The same on CPU partitions with the fused SIMD kernel (kernels/cpu/adam.h), threads from
+// LibTorch's intra-op count. What the engine uses for CPU-resident partitions.
+std::unique_ptr<Optimizer> make_fused_cpu_adam(const Hyper& h);
+std::unique_ptr<Optimizer> make_fused_cpu_adamw(const Hyper& h);
 // SGD with optional momentum (dampening 0), Nesterov, and L2 weight decay (torch.optim.SGD).
 std::unique_ptr<Optimizer> make_sgd(const Hyper& h);
 
 // The optimizer the config names ("Adam", "AdamW", "SGD"; DeepSpeed's "Adam" with
 // `adam_w_mode` is not a key zeal reads: "AdamW" is). Throws zeal::Error for an unknown type
 // or an unresolved "auto".
-std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config);
+// fused_cpu: Adam and AdamW with the fused CPU kernel.
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config, bool fused_cpu = false);
 
 }  // namespace optim
 }  // namespace zeal
