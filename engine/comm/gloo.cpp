@@ -182,14 +182,7 @@ class GlooCommunicator final : public Communicator {
   uint64_t sequence() const override { return monitor_.sequence(); }
 
   Work all_gather(const at::Tensor& shard, const at::Tensor& output) override {
-    check(shard, "all_gather", "shard");
-    check(output, "all_gather", "output");
-    const int64_t s = shard_size(output.numel());
-    if (shard.numel() != s || shard.scalar_type() != output.scalar_type()) {
-      throw Error(fmt::format("all_gather: the shard has {} {} elements; an output of {} elements over {} ranks "
-                              "needs shards of {} {}",
-                              shard.numel(), dtype_of(shard), output.numel(), world_, s, dtype_of(output)));
-    }
+    const int64_t s = check_shard("all_gather", shard, output, "output");
     auto work = start("all_gather", output.numel(), dtype_of(output));
     at::Tensor out = output.view({-1});
     at::Tensor in = shard.view({-1});
@@ -203,14 +196,7 @@ class GlooCommunicator final : public Communicator {
   }
 
   Work reduce_scatter(const at::Tensor& input, const at::Tensor& shard, ReduceOp op) override {
-    check(input, "reduce_scatter", "input");
-    check(shard, "reduce_scatter", "shard");
-    const int64_t s = shard_size(input.numel());
-    if (shard.numel() != s || shard.scalar_type() != input.scalar_type()) {
-      throw Error(fmt::format("reduce_scatter: the shard has {} {} elements; an input of {} elements over {} ranks "
-                              "needs shards of {} {}",
-                              shard.numel(), dtype_of(shard), input.numel(), world_, s, dtype_of(input)));
-    }
+    const int64_t s = check_shard("reduce_scatter", shard, input, "input");
     auto work = start(fmt::format("reduce_scatter({})", to_string(op)), input.numel(), dtype_of(input));
     const uint64_t seq = monitor_.sequence();
     at::Tensor in = input.view({-1});
@@ -263,6 +249,19 @@ class GlooCommunicator final : public Communicator {
  private:
   std::shared_ptr<GlooWork> start(std::string name, int64_t numel, std::string dtype) {
     return std::make_shared<GlooWork>(&monitor_, monitor_.begin(std::move(name), numel, std::move(dtype)));
+  }
+
+  // Both tensors usable, and the shard the size and dtype that `flat` over world_ ranks needs;
+  // returns that size.
+  int64_t check_shard(const char* op, const at::Tensor& shard, const at::Tensor& flat, const char* flat_name) const {
+    check(shard, op, "shard");
+    check(flat, op, flat_name);
+    const int64_t s = shard_size(flat.numel());
+    if (shard.numel() != s || shard.scalar_type() != flat.scalar_type()) {
+      throw Error(fmt::format("{}: the shard has {} {} elements; an {} of {} elements over {} ranks needs shards of {} {}",
+                              op, shard.numel(), dtype_of(shard), flat_name, flat.numel(), world_, s, dtype_of(flat)));
+    }
+    return s;
   }
 
   void check(const at::Tensor& t, const char* op, const char* what) const {

@@ -287,10 +287,11 @@ const at::Tensor& FlatGroup::owned_grads(double inv_scale) {
   return grad32_;
 }
 
-void FlatGroup::apply_step(const at::Tensor& grads, double lr) {
+void FlatGroup::apply_step(double lr) {
+  ZEAL_CHECK(grad32_ready_) << "apply_step before owned_grads";
   c10::NoGradGuard no_grad;
   optimizer_->set_lr(lr);
-  if (owned_total_ > 0) optimizer_->step(master_, grads);
+  if (owned_total_ > 0) optimizer_->step(master_, grad32_);
   std::vector<Work> gathers;
   for (int b = 0; b < num_buckets(); ++b) {
     const Bucket& k = buckets_[b];

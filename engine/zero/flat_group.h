@@ -69,9 +69,9 @@ class FlatGroup {
   // The reduced, unscaled gradients of this rank's partition in fp32 (valid after the sync
   // micro-step's end_backward, until zero_grad). Computed on first use.
   const at::Tensor& owned_grads(double inv_scale);
-  // Updates the master partition with `grads` (from owned_grads, possibly clipped), writes it
-  // into the compute parameters and all-gathers them (stage 1, 2).
-  void apply_step(const at::Tensor& grads, double lr);
+  // Updates the master partition with the owned gradients (as owned_grads left them, clipped or
+  // not), writes it into the compute parameters and all-gathers them (stage 1, 2).
+  void apply_step(double lr);
   void zero_grad();
 
   // Whether this rank's partition holds a replica of every gradient (stage 0): then norms need

@@ -85,7 +85,7 @@ double ZeroOptimizer::clip_grad_norm(double max_norm, double norm_type, double i
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) {
     c10::NoGradGuard no_grad;
-    for (auto& g : groups_) const_cast<at::Tensor&>(g->owned_grads(inv_scale)).mul_(coef);
+    for (auto& g : groups_) g->owned_grads(inv_scale).mul_(coef);
     sumsq_ *= coef * coef;
   }
   return norm;
@@ -95,7 +95,7 @@ void ZeroOptimizer::clip_grad_value(double value, double inv_scale) {
   if (!(value > 0)) throw Error(fmt::format("clip_grad_value_: the clip value must be positive, got {}", value));
   grad_norm(inv_scale);  // an inf would survive clamping as ±value: look for it first
   c10::NoGradGuard no_grad;
-  for (auto& g : groups_) const_cast<at::Tensor&>(g->owned_grads(inv_scale)).clamp_(-value, value);
+  for (auto& g : groups_) g->owned_grads(inv_scale).clamp_(-value, value);
   have_norm_ = false;
 }
 
@@ -108,7 +108,7 @@ ZeroOptimizer::StepResult ZeroOptimizer::step(double inv_scale, double clip, con
     return r;
   }
   if (clip > 0 && !clipped_) clip_grad_norm(clip, 2.0, inv_scale);
-  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->apply_step(groups_[g]->owned_grads(inv_scale), lrs[g]);
+  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->apply_step(lrs[g]);
   r.stepped = true;
   zero_grad();
   return r;
