@@ -17,11 +17,22 @@ class FusedCpuAdam final : public AdamState {
  public:
   FusedCpuAdam(Hyper h, bool decoupled) : AdamState(h, decoupled) {}
   std::string name() const override { return decoupled_ ? "AdamW (fused CPU)" : "Adam (fused CPU)"; }
+  bool fused() const override { return true; }
 
   void step(const at::Tensor& params, const at::Tensor& grads) override {
-    if (params.scalar_type() != at::kFloat || grads.scalar_type() != at::kFloat || !params.is_cpu() ||
-        !grads.is_cpu() || !params.is_contiguous() || !grads.is_contiguous() || params.numel() != grads.numel()) {
-      throw Error(fmt::format("{}: needs contiguous float32 CPU parameters and gradients of the same size", name()));
+    if (grads.scalar_type() != at::kFloat || !grads.is_cpu() || !grads.is_contiguous() ||
+        params.numel() != grads.numel()) {
+      throw Error(fmt::format("{}: needs contiguous float32 CPU gradients of the parameters' size", name()));
+    }
+    FusedSegment all;
+    all.n = params.numel();
+    all.grad = grads.data_ptr<float>();
+    fused_step(params, {all}, 1.0);
+  }
+
+  void fused_step(const at::Tensor& params, const std::vector<FusedSegment>& segments, double grad_scale) override {
+    if (params.scalar_type() != at::kFloat || !params.is_cpu() || !params.is_contiguous()) {
+      throw Error(fmt::format("{}: needs contiguous float32 CPU parameters", name()));
     }
     ensure_state(params);
     ++steps_;
@@ -33,13 +44,22 @@ class FusedCpuAdam final : public AdamState {
     h.weight_decay = static_cast<float>(hyper_.weight_decay);
     h.decoupled = decoupled_;
     h.step = steps_;
-    cpu::AdamPartition p;
-    p.master = params.data_ptr<float>();
-    p.m = exp_avg_.data_ptr<float>();
-    p.v = exp_avg_sq_.data_ptr<float>();
-    p.grad = grads.data_ptr<float>();
-    p.n = params.numel();
-    cpu::adam_step(h, p, cpu::best_simd(), at::get_num_threads());
+    h.grad_scale = static_cast<float>(grad_scale);
+    const int threads = at::get_num_threads();
+    for (const FusedSegment& s : segments) {
+      ZEAL_CHECK(s.offset >= 0 && s.offset + s.n <= params.numel()) << "segment outside the partition";
+      if (s.n == 0) continue;
+      cpu::AdamPartition p;
+      p.master = params.data_ptr<float>() + s.offset;
+      p.m = exp_avg_.data_ptr<float>() + s.offset;
+      p.v = exp_avg_sq_.data_ptr<float>() + s.offset;
+      p.grad = s.grad;
+      p.grad_type = s.grad_type;
+      p.copy = s.copy;
+      p.copy_type = s.copy_type;
+      p.n = s.n;
+      cpu::adam_step(h, p, cpu::best_simd(), threads);
+    }
   }
 };
 

@@ -99,6 +99,10 @@ class SgdImpl final : public Optimizer {
 
 }  // namespace
 
+void Optimizer::fused_step(const at::Tensor&, const std::vector<FusedSegment>&, double) {
+  throw Error(fmt::format("{} has no fused step", name()));
+}
+
 std::unique_ptr<Optimizer> make_adam(const Hyper& h) { return std::make_unique<AdamImpl>(h, false); }
 std::unique_ptr<Optimizer> make_adamw(const Hyper& h) { return std::make_unique<AdamImpl>(h, true); }
 std::unique_ptr<Optimizer> make_sgd(const Hyper& h) { return std::make_unique<SgdImpl>(h); }

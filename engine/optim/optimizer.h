@@ -9,6 +9,9 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include "kernels/cpu/adam.h"
 
 namespace at {
 class Tensor;
@@ -26,6 +29,18 @@ struct Hyper {
   double weight_decay = 0.0;
   double momentum = 0.0;  // SGD
   bool nesterov = false;  // SGD
+};
+
+// A piece of a partition for the fused path: `n` elements of the master weights and state from
+// `offset`, their gradient in its own precision (read once and multiplied by the step's
+// grad_scale), and where the updated weights go in compute precision (written in the same pass;
+// null for none). Raw CPU memory.
+struct FusedSegment {
+  int64_t offset = 0, n = 0;
+  const void* grad = nullptr;
+  cpu::DType grad_type = cpu::DType::kFp32;
+  void* copy = nullptr;
+  cpu::DType copy_type = cpu::DType::kBf16;
 };
 
 class Optimizer {
@@ -47,6 +62,12 @@ class Optimizer {
   // Bytes of state per parameter once created (Adam: 8, SGD with momentum: 4, else 0).
   virtual int64_t state_bytes_per_param() const = 0;
 
+  // Whether fused_step is available: an update from gradients in any precision that writes the
+  // compute copy in the same pass (the fused CPU kernels).
+  virtual bool fused() const { return false; }
+  // One step over all segments of `params`; every gradient is multiplied by grad_scale first.
+  virtual void fused_step(const at::Tensor& params, const std::vector<FusedSegment>& segments, double grad_scale);
+
   double lr() const { return hyper_.lr; }
   void set_lr(double lr) { hyper_.lr = lr; }
   int64_t steps() const { return steps_; }
@@ -56,6 +77,7 @@ class Optimizer {
   Hyper hyper_;
   int64_t steps_ = 0;
 };
+
 
 // Adam with L2 weight decay added to the gradient (torch.optim.Adam).
 std::unique_ptr<Optimizer> make_adam(const Hyper& h);

@@ -1,6 +1,7 @@
 #include "engine/zero/flat_group.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -118,14 +119,14 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
   } else {
     grad_part_ = at::zeros({owned_total_}, compute);
   }
-  // The step reads fp32 gradients; where they already are (fp32, one contiguous region) no copy.
+  // An fp32 copy of the owned gradients is needed only off the fused path (or to clip by value),
+  // and where they already are fp32 in one contiguous region it is a view, not a copy.
   if (opts_.compute_dtype == at::kFloat && opts_.stage == 2) {
     grad32_ = grad_part_;
   } else if (opts_.compute_dtype == at::kFloat && opts_.stage == 0) {
     grad32_ = grad_flat_;
-  } else {
-    grad32_ = at::empty({owned_total_}, fp32);
   }
+  fused_ = optimizer_->fused() && device.is_cpu();
 
   // A post hook on each parameter's gradient accumulator tells the group its gradient arrived.
   hook_state_ = std::make_shared<HookState>();
@@ -272,9 +273,60 @@ void FlatGroup::end_backward() {
   while (!in_flight_.empty()) complete_oldest();
 }
 
+namespace {
+
+cpu::DType kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return cpu::DType::kFp32;
+    case at::kBFloat16: return cpu::DType::kBf16;
+    case at::kHalf: return cpu::DType::kFp16;
+    default: throw Error(fmt::format("no fused kernel for {} tensors", c10::toString(t)));
+  }
+}
+
+// Statistics of one contiguous tensor: the SIMD kernel on CPU, tensor ops elsewhere.
+cpu::GradStats stats_of(const at::Tensor& t) {
+  if (t.numel() == 0) return {};
+  if (t.is_cpu() && t.is_contiguous()) {
+    return cpu::grad_stats(t.data_ptr(), kernel_dtype(t.scalar_type()), t.numel(), cpu::best_simd(),
+                           at::get_num_threads());
+  }
+  const double norm = at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble).item<double>();
+  return {norm * norm, t.abs().max().item<float>()};
+}
+
+}  // namespace
+
+at::Tensor FlatGroup::owned_grad_view(int b) const {
+  const Bucket& k = buckets_[b];
+  return opts_.stage == 2 ? grad_part_.narrow(0, k.master_offset, k.owned_len) : owned_view(grad_flat_, b);
+}
+
+cpu::GradStats FlatGroup::local_stats(double inv_scale) {
+  c10::NoGradGuard no_grad;
+  cpu::GradStats s;
+  double scale = 1.0;
+  if (grad32_ready_) {
+    s = stats_of(grad32_);
+  } else {
+    for (int b = 0; b < num_buckets(); ++b) s = cpu::combine(s, stats_of(owned_grad_view(b)));
+    scale = inv_scale * pending_scale_;
+  }
+  s.sumsq *= scale * scale;
+  s.amax = static_cast<float>(s.amax * scale);
+  return s;
+}
+
+void FlatGroup::scale_grads(double c) {
+  c10::NoGradGuard no_grad;
+  if (grad32_ready_) grad32_.mul_(c);
+  else pending_scale_ *= c;
+}
+
 const at::Tensor& FlatGroup::owned_grads(double inv_scale) {
   if (grad32_ready_) return grad32_;
   c10::NoGradGuard no_grad;
+  if (!grad32_.defined()) grad32_ = at::empty({owned_total_}, master_.options());
   if (opts_.stage == 2) {
     if (!grad32_.is_same(grad_part_)) grad32_.copy_(grad_part_);
   } else if (!grad32_.is_same(grad_flat_)) {
@@ -282,26 +334,51 @@ const at::Tensor& FlatGroup::owned_grads(double inv_scale) {
       grad32_.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(grad_flat_, b));
     }
   }
-  if (inv_scale != 1.0) grad32_.mul_(inv_scale);
+  const double scale = inv_scale * pending_scale_;
+  if (scale != 1.0) grad32_.mul_(scale);
+  pending_scale_ = 1.0;
   grad32_ready_ = true;
   return grad32_;
 }
 
-void FlatGroup::apply_step(double lr) {
-  ZEAL_CHECK(grad32_ready_) << "apply_step before owned_grads";
+void FlatGroup::apply_step(double lr, double inv_scale) {
   c10::NoGradGuard no_grad;
   optimizer_->set_lr(lr);
-  if (owned_total_ > 0) optimizer_->step(master_, grad32_);
-  std::vector<Work> gathers;
-  for (int b = 0; b < num_buckets(); ++b) {
-    const Bucket& k = buckets_[b];
-    at::Tensor own = owned_view(param_flat_, b);
-    own.copy_(master_.narrow(0, k.master_offset, k.owned_len));
-    if (opts_.stage > 0 && comm_.world_size() > 1) {
-      gathers.push_back(comm_.all_gather(own, param_flat_.narrow(0, k.offset, k.layout.padded_total())));
+  if (fused_) {
+    // One pass per bucket: gradients (unscaled and clipped by the factor), Adam, compute copy.
+    std::vector<optim::FusedSegment> segments;
+    const double scale = grad32_ready_ ? 1.0 : inv_scale * pending_scale_;
+    for (int b = 0; b < num_buckets(); ++b) {
+      const Bucket& k = buckets_[b];
+      if (k.owned_len == 0) continue;
+      const at::Tensor g = grad32_ready_ ? grad32_.narrow(0, k.master_offset, k.owned_len) : owned_grad_view(b);
+      at::Tensor copy = owned_view(param_flat_, b);
+      optim::FusedSegment seg;
+      seg.offset = k.master_offset;
+      seg.n = k.owned_len;
+      seg.grad = g.data_ptr();
+      seg.grad_type = kernel_dtype(g.scalar_type());
+      seg.copy = copy.data_ptr();
+      seg.copy_type = kernel_dtype(copy.scalar_type());
+      segments.push_back(seg);
+    }
+    if (owned_total_ > 0) optimizer_->fused_step(master_, segments, scale);
+  } else {
+    const at::Tensor& g = owned_grads(inv_scale);
+    if (owned_total_ > 0) optimizer_->step(master_, g);
+    for (int b = 0; b < num_buckets(); ++b) {
+      const Bucket& k = buckets_[b];
+      owned_view(param_flat_, b).copy_(master_.narrow(0, k.master_offset, k.owned_len));
     }
   }
-  for (auto& w : gathers) w.wait();
+  if (opts_.stage > 0 && comm_.world_size() > 1) {
+    std::vector<Work> gathers;
+    for (int b = 0; b < num_buckets(); ++b) {
+      const Bucket& k = buckets_[b];
+      gathers.push_back(comm_.all_gather(owned_view(param_flat_, b), param_flat_.narrow(0, k.offset, k.layout.padded_total())));
+    }
+    for (auto& w : gathers) w.wait();
+  }
 }
 
 void FlatGroup::zero_grad() {
@@ -314,6 +391,7 @@ void FlatGroup::zero_grad() {
     for (auto& p : params_) p.mutable_grad() = at::Tensor();
   }
   grad32_ready_ = false;
+  pending_scale_ = 1.0;
 }
 
 GroupBytes FlatGroup::bytes() const {
@@ -322,7 +400,7 @@ GroupBytes FlatGroup::bytes() const {
   out.grads = grad_flat_.defined() ? grad_flat_.nbytes() : grad_part_.nbytes();
   out.master = master_.nbytes();
   out.optimizer = optimizer_->state_bytes();
-  const bool alias = grad32_.is_same(grad_flat_) || grad32_.is_same(grad_part_);
+  const bool alias = !grad32_.defined() || grad32_.is_same(grad_flat_) || grad32_.is_same(grad_part_);
   out.workspace = (alias ? 0 : grad32_.nbytes()) + staging_peak_;
   return out;
 }

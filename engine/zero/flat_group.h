@@ -33,6 +33,7 @@
 #include "engine/comm/communicator.h"
 #include "engine/optim/optimizer.h"
 #include "engine/zero/layout.h"
+#include "kernels/cpu/adam.h"
 
 namespace zeal::zero {
 
@@ -66,12 +67,23 @@ class FlatGroup {
   void begin_micro_step(bool sync);
   void end_backward();
 
-  // The reduced, unscaled gradients of this rank's partition in fp32 (valid after the sync
-  // micro-step's end_backward, until zero_grad). Computed on first use.
+  // Sum of squares and largest magnitude of the reduced, unscaled gradients of this rank's
+  // partition (after the sync micro-step's end_backward). On the fused path they are read where
+  // they lie, in their own precision, without a copy.
+  cpu::GradStats local_stats(double inv_scale);
+  // Multiplies the gradients by c (clipping by norm). On the fused path this costs nothing: the
+  // factor joins the loss scale's inverse in the step's single pass.
+  void scale_grads(double c);
+  // The reduced, unscaled gradients of this rank's partition as one fp32 tensor to modify in
+  // place (clipping by value, optimizers without a fused step). Made on first use; valid until
+  // zero_grad.
   const at::Tensor& owned_grads(double inv_scale);
-  // Updates the master partition with the owned gradients (as owned_grads left them, clipped or
-  // not), writes it into the compute parameters and all-gathers them (stage 1, 2).
-  void apply_step(double lr);
+  // Updates the master partition from the gradients, writes it into the compute parameters and
+  // all-gathers them (stage 1, 2). The fused path does unscale, clip, Adam and the compute copy
+  // in one pass over each bucket's owned region.
+  void apply_step(double lr, double inv_scale);
+  // Whether the step runs the fused kernels (the optimizer has them and the partition is on CPU).
+  bool fused() const { return fused_; }
   void zero_grad();
 
   // Whether this rank's partition holds a replica of every gradient (stage 0): then norms need
@@ -107,6 +119,8 @@ class FlatGroup {
   void complete_oldest();
   void reattach_grad(int param, bool overwrite);
   at::Tensor owned_view(const at::Tensor& flat, int b) const;
+  // The owned region of bucket b's gradients in the compute dtype (stage 2: its slice of the partition).
+  at::Tensor owned_grad_view(int b) const;
 
   Communicator& comm_;
   GroupOptions opts_;
@@ -122,8 +136,10 @@ class FlatGroup {
   at::Tensor grad_flat_;   // stage 0, 1: compute dtype, padded_ elements
   at::Tensor grad_part_;   // stage 2: compute dtype, owned_total_ elements
   at::Tensor master_;      // fp32, owned_total_ elements
-  at::Tensor grad32_;      // fp32 unscaled owned gradients for the step (or a view of the above)
+  at::Tensor grad32_;      // fp32 unscaled owned gradients, made when needed (or a view of the above)
   bool grad32_ready_ = false;
+  double pending_scale_ = 1.0;  // clip factor not yet applied to the gradients
+  bool fused_ = false;
 
   bool sync_ = true;
   int next_launch_ = -1;  // the next bucket to launch, counting down

@@ -31,27 +31,17 @@ void ZeroOptimizer::end_backward() {
   for (auto& g : groups_) g->end_backward();
 }
 
-void ZeroOptimizer::prepare_grads(double inv_scale) {
-  for (auto& g : groups_) g->owned_grads(inv_scale);
-}
-
 double ZeroOptimizer::grad_norm(double inv_scale, double norm_type) {
   if (norm_type != 2.0 && !std::isinf(norm_type)) {
     throw Error(fmt::format("gradient norms of type {} are not supported (2 or inf)", norm_type));
   }
-  prepare_grads(inv_scale);
   c10::NoGradGuard no_grad;
   const bool sharded = options_.stage > 0 && comm_.world_size() > 1;
   if (!have_norm_) {
     // Sums of squares in double, one all-reduce over ranks: an inf or nan anywhere makes it
     // non-finite on every rank.
     double local = 0;
-    for (auto& g : groups_) {
-      const at::Tensor& t = g->owned_grads(inv_scale);
-      if (t.numel() == 0) continue;
-      const double n = at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble).item<double>();
-      local += n * n;
-    }
+    for (auto& g : groups_) local += g->local_stats(inv_scale).sumsq;
     if (sharded) {
       at::Tensor s = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
       comm_.all_reduce(s, ReduceOp::kSum).wait();
@@ -64,10 +54,7 @@ double ZeroOptimizer::grad_norm(double inv_scale, double norm_type) {
   if (!std::isinf(norm_type)) return std::sqrt(sumsq_);
   if (!std::isfinite(sumsq_)) return std::numeric_limits<double>::infinity();
   double m = 0;
-  for (auto& g : groups_) {
-    const at::Tensor& t = g->owned_grads(inv_scale);
-    if (t.numel() > 0) m = std::max(m, t.abs().max().item<double>());
-  }
+  for (auto& g : groups_) m = std::max(m, static_cast<double>(g->local_stats(inv_scale).amax));
   if (sharded) {
     at::Tensor s = at::full({1}, m, at::TensorOptions().dtype(at::kDouble));
     comm_.all_reduce(s, ReduceOp::kMax).wait();
@@ -84,8 +71,7 @@ double ZeroOptimizer::clip_grad_norm(double max_norm, double norm_type, double i
   // torch.nn.utils.clip_grad_norm_'s coefficient.
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) {
-    c10::NoGradGuard no_grad;
-    for (auto& g : groups_) g->owned_grads(inv_scale).mul_(coef);
+    for (auto& g : groups_) g->scale_grads(coef);
     sumsq_ *= coef * coef;
   }
   return norm;
@@ -108,7 +94,7 @@ ZeroOptimizer::StepResult ZeroOptimizer::step(double inv_scale, double clip, con
     return r;
   }
   if (clip > 0 && !clipped_) clip_grad_norm(clip, 2.0, inv_scale);
-  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->apply_step(lrs[g]);
+  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->apply_step(lrs[g], inv_scale);
   r.stepped = true;
   zero_grad();
   return r;

@@ -52,8 +52,6 @@ class ZeroOptimizer {
   int stage() const { return options_.stage; }
 
  private:
-  void prepare_grads(double inv_scale);
-
   Communicator& comm_;
   GroupOptions options_;
   std::vector<std::unique_ptr<FlatGroup>> groups_;

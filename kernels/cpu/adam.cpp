@@ -100,12 +100,56 @@ void adam_scalar(const AdamConstants& c, const AdamPartition& p, int64_t begin) 
     p.m[i] = m.x;
     p.v[i] = v.x;
     if (p.copy) {
-      static_cast<uint16_t*>(p.copy)[i] = p.copy_type == DType::kFp16 ? float_to_half(w.x) : float_to_bf16(w.x);
+      if (p.copy_type == DType::kFp32) static_cast<float*>(p.copy)[i] = w.x;
+      else static_cast<uint16_t*>(p.copy)[i] = p.copy_type == DType::kFp16 ? float_to_half(w.x) : float_to_bf16(w.x);
     }
   }
 }
 
+GradStats stats_scalar(const void* grad, DType type, int64_t begin, int64_t n) {
+  // Four accumulators, so the sum order matches no SIMD path but the loop pipelines.
+  double acc[4] = {0, 0, 0, 0};
+  float amax = 0.0f;
+  int64_t i = begin;
+  for (; i < n; ++i) {
+    float g;
+    switch (type) {
+      case DType::kBf16: g = bf16_to_float(static_cast<const uint16_t*>(grad)[i]); break;
+      case DType::kFp16: g = half_to_float(static_cast<const uint16_t*>(grad)[i]); break;
+      default: g = static_cast<const float*>(grad)[i];
+    }
+    const double d = g;
+    acc[i & 3] += d * d;
+    const float a = std::fabs(g);
+    amax = a > amax ? a : amax;
+  }
+  return {(acc[0] + acc[1]) + (acc[2] + acc[3]), amax};
+}
+
 }  // namespace detail
+
+namespace {
+
+// Splits [0, n) into at most `threads` chunks that are multiples of 64 elements (a cache line of
+// every buffer, so threads never share one) and runs fn(begin, end) on each, the first on the
+// calling thread.
+template <class Fn>
+void parallel_chunks(int64_t n, int threads, Fn&& fn) {
+  constexpr int64_t kAlign = 64;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, (n + kAlign - 1) / kAlign));
+  if (chunks == 1) return fn(0, int64_t{0}, n);
+  // Each chunk holds ⌈n / chunks⌉ elements rounded up to kAlign, so the chunks cover all n.
+  const int64_t per = ((n + chunks - 1) / chunks + kAlign - 1) / kAlign * kAlign;
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < chunks; ++t) {
+    const int64_t begin = std::min(n, t * per), end = std::min(n, (t + 1) * per);
+    if (begin < end) workers.emplace_back(fn, static_cast<int>(t), begin, end);
+  }
+  fn(0, int64_t{0}, std::min(n, per));
+  for (auto& w : workers) w.join();
+}
+
+}  // namespace
 
 bool simd_supported(Simd s) {
   __builtin_cpu_init();
@@ -139,15 +183,13 @@ AdamPartition slice(const AdamPartition& p, int64_t begin, int64_t end) {
   const size_t grad_bytes = p.grad_type == DType::kFp32 ? 4 : 2;
   s.master = p.master + begin, s.m = p.m + begin, s.v = p.v + begin;
   s.grad = static_cast<const char*>(p.grad) + begin * grad_bytes;
-  if (p.copy) s.copy = static_cast<uint16_t*>(p.copy) + begin;
+  if (p.copy) s.copy = static_cast<char*>(p.copy) + begin * (p.copy_type == DType::kFp32 ? 4 : 2);
   s.n = end - begin;
   return s;
 }
 
 void adam_step(const AdamHyper& h, const AdamPartition& p, Simd simd, int threads) {
   if (!simd_supported(simd)) throw std::invalid_argument(std::string("this CPU lacks ") + simd_name(simd));
-  if (p.copy && p.copy_type == DType::kFp32)
-    throw std::invalid_argument("the compute copy must be bf16 or fp16 (the master is already fp32)");
   const detail::AdamConstants c = detail::adam_constants(h);
   auto run = [&c, simd](const AdamPartition& part) {
     switch (simd) {
@@ -156,19 +198,25 @@ void adam_step(const AdamHyper& h, const AdamPartition& p, Simd simd, int thread
       default: detail::adam_scalar(c, part, 0);
     }
   };
-  // Chunks are multiples of 64 elements (a cache line of every buffer), so threads never share one.
-  constexpr int64_t kAlign = 64;
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, (p.n + kAlign - 1) / kAlign));
-  if (chunks == 1) return run(p);
-  // Each chunk holds ⌈n / chunks⌉ elements rounded up to kAlign, so the chunks cover all n.
-  const int64_t per = ((p.n + chunks - 1) / chunks + kAlign - 1) / kAlign * kAlign;
-  std::vector<std::thread> workers;
-  for (int64_t t = 1; t < chunks; ++t) {
-    const int64_t begin = std::min(p.n, t * per), end = std::min(p.n, (t + 1) * per);
-    if (begin < end) workers.emplace_back(run, slice(p, begin, end));
-  }
-  run(slice(p, 0, std::min(p.n, per)));
-  for (auto& w : workers) w.join();
+  parallel_chunks(p.n, threads, [&](int, int64_t begin, int64_t end) { run(slice(p, begin, end)); });
+}
+
+GradStats grad_stats(const void* grad, DType type, int64_t n, Simd simd, int threads) {
+  if (!simd_supported(simd)) throw std::invalid_argument(std::string("this CPU lacks ") + simd_name(simd));
+  if (n <= 0) return {};
+  const size_t bytes = type == DType::kFp32 ? 4 : 2;
+  std::vector<GradStats> parts(static_cast<size_t>(std::max(1, threads)));
+  parallel_chunks(n, threads, [&](int t, int64_t begin, int64_t end) {
+    const void* g = static_cast<const char*>(grad) + begin * bytes;
+    switch (simd) {
+      case Simd::kAvx512: parts[t] = detail::stats_avx512(g, type, end - begin); break;
+      case Simd::kAvx2: parts[t] = detail::stats_avx2(g, type, end - begin); break;
+      default: parts[t] = detail::stats_scalar(g, type, 0, end - begin);
+    }
+  });
+  GradStats out;
+  for (const auto& p : parts) out = combine(out, p);
+  return out;
 }
 
 }  // namespace zeal::cpu

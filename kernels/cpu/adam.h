@@ -35,7 +35,7 @@ struct AdamPartition {
   float* v = nullptr;
   const void* grad = nullptr;
   DType grad_type = DType::kFp32;
-  void* copy = nullptr;  // optional compute copy of the updated master (bf16 or fp16), or null
+  void* copy = nullptr;  // optional compute copy of the updated master (fp32, bf16 or fp16), or null
   DType copy_type = DType::kBf16;
   int64_t n = 0;
 };
@@ -52,6 +52,24 @@ inline void adam_step(const AdamHyper& h, const AdamPartition& p) { adam_step(h,
 
 // Elements [begin, end) of a partition, as a partition of its own.
 AdamPartition slice(const AdamPartition& p, int64_t begin, int64_t end);
+
+// The gradient statistics the step needs before it can run: the sum of squares (accumulated in
+// float64: every float's square is exact there) and the largest magnitude. Any inf or nan makes
+// sumsq non-finite, so `finite()` is the overflow check. One read pass, no write.
+struct GradStats {
+  double sumsq = 0.0;
+  float amax = 0.0f;
+  bool finite() const { return sumsq - sumsq == 0.0; }  // false for inf and nan
+};  // amax means nothing when !finite()
+inline GradStats combine(GradStats a, const GradStats& b) {
+  a.sumsq += b.sumsq;
+  a.amax = b.amax > a.amax ? b.amax : a.amax;
+  return a;
+}
+// Over n elements of type `type` at `grad`, split over `threads` threads (partial sums combined
+// in chunk order, so a given thread count always gives the same bits).
+GradStats grad_stats(const void* grad, DType type, int64_t n, Simd simd, int threads = 1);
+inline GradStats grad_stats(const void* grad, DType type, int64_t n) { return grad_stats(grad, type, n, best_simd()); }
 
 // Conversions with round-to-nearest-even, the scalar reference for the SIMD paths.
 uint16_t float_to_bf16(float f);

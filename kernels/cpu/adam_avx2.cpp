@@ -17,17 +17,18 @@ struct V8 {
   static V8 sqrt(V8 a) { return {_mm256_sqrt_ps(a.x)}; }
 };
 
-inline __m256 load_grad(const AdamPartition& p, int64_t i) {
-  switch (p.grad_type) {
+inline __m256 load(const void* g, DType type, int64_t i) {
+  switch (type) {
     case DType::kBf16: {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p.grad) + i));
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i));
       return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     case DType::kFp16:
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p.grad) + i)));
-    default: return _mm256_loadu_ps(static_cast<const float*>(p.grad) + i);
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i)));
+    default: return _mm256_loadu_ps(static_cast<const float*>(g) + i);
   }
 }
+inline __m256 load_grad(const AdamPartition& p, int64_t i) { return load(p.grad, p.grad_type, i); }
 
 // Round to nearest even into bf16; NaN becomes a quiet NaN with its sign.
 inline __m128i to_bf16(__m256 w) {
@@ -51,13 +52,36 @@ void adam_avx2(const AdamConstants& c, const AdamPartition& p) {
     _mm256_storeu_ps(p.master + i, w.x);
     _mm256_storeu_ps(p.m + i, m.x);
     _mm256_storeu_ps(p.v + i, v.x);
-    if (p.copy) {
+    if (p.copy && p.copy_type == DType::kFp32) {
+      _mm256_storeu_ps(static_cast<float*>(p.copy) + i, w.x);
+    } else if (p.copy) {
       __m128i* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p.copy) + i);
       _mm_storeu_si128(out, p.copy_type == DType::kFp16 ? _mm256_cvtps_ph(w.x, _MM_FROUND_TO_NEAREST_INT)
                                                         : to_bf16(w.x));
     }
   }
   adam_scalar(c, p, vec_end);
+}
+
+GradStats stats_avx2(const void* grad, DType type, int64_t n) {
+  const int64_t vec_end = n - n % 8;
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  __m256 amax = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t i = 0; i < vec_end; i += 8) {
+    const __m256 g = load(grad, type, i);
+    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(g)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(g, 1));
+    lo = _mm256_fmadd_pd(a, a, lo);
+    hi = _mm256_fmadd_pd(b, b, hi);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(g, abs_mask));
+  }
+  alignas(32) double s[4];
+  _mm256_store_pd(s, _mm256_add_pd(lo, hi));
+  alignas(32) float m[8];
+  _mm256_store_ps(m, amax);
+  GradStats out{(s[0] + s[1]) + (s[2] + s[3]), 0.0f};
+  for (float x : m) out.amax = x > out.amax ? x : out.amax;
+  return combine(out, stats_scalar(grad, type, vec_end, n));
 }
 
 }  // namespace zeal::cpu::detail

@@ -17,15 +17,16 @@ struct V16 {
   static V16 sqrt(V16 a) { return {_mm512_sqrt_ps(a.x)}; }
 };
 
-inline __m512 load_grad(const AdamPartition& p, int64_t i) {
-  const auto* half = reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p.grad) + i);
-  switch (p.grad_type) {
+inline __m512 load(const void* g, DType type, int64_t i) {
+  const auto* half = reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + i);
+  switch (type) {
     case DType::kBf16:
       return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(half)), 16));
     case DType::kFp16: return _mm512_cvtph_ps(_mm256_loadu_si256(half));
-    default: return _mm512_loadu_ps(static_cast<const float*>(p.grad) + i);
+    default: return _mm512_loadu_ps(static_cast<const float*>(g) + i);
   }
 }
+inline __m512 load_grad(const AdamPartition& p, int64_t i) { return load(p.grad, p.grad_type, i); }
 
 inline __m256i to_bf16(__m512 w) {
   const __m512i u = _mm512_castps_si512(w);
@@ -46,7 +47,9 @@ void adam_avx512(const AdamConstants& c, const AdamPartition& p) {
     _mm512_storeu_ps(p.master + i, w.x);
     _mm512_storeu_ps(p.m + i, m.x);
     _mm512_storeu_ps(p.v + i, v.x);
-    if (p.copy) {
+    if (p.copy && p.copy_type == DType::kFp32) {
+      _mm512_storeu_ps(static_cast<float*>(p.copy) + i, w.x);
+    } else if (p.copy) {
       __m256i* out = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.copy) + i);
       _mm256_storeu_si256(out, p.copy_type == DType::kFp16
                                    ? _mm512_cvtps_ph(w.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
@@ -54,6 +57,22 @@ void adam_avx512(const AdamConstants& c, const AdamPartition& p) {
     }
   }
   adam_scalar(c, p, vec_end);
+}
+
+GradStats stats_avx512(const void* grad, DType type, int64_t n) {
+  const int64_t vec_end = n - n % 16;
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < vec_end; i += 16) {
+    const __m512 g = load(grad, type, i);
+    const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+    const __m512d b = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(g), 1)));
+    lo = _mm512_fmadd_pd(a, a, lo);
+    hi = _mm512_fmadd_pd(b, b, hi);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(g));
+  }
+  GradStats out{_mm512_reduce_add_pd(_mm512_add_pd(lo, hi)), _mm512_reduce_max_ps(amax)};
+  return combine(out, stats_scalar(grad, type, vec_end, n));
 }
 
 }  // namespace zeal::cpu::detail

@@ -27,6 +27,11 @@ inline void adam_lanes(const AdamConstants& c, V& p, V& m, V& v, V g) {
   p = V::sub(p, V::mul(V::splat(c.step_size), V::div(m, denom)));
 }
 
+// Gradient statistics over [0, n) of each path.
+GradStats stats_scalar(const void* grad, DType type, int64_t begin, int64_t n);
+GradStats stats_avx2(const void* grad, DType type, int64_t n);
+GradStats stats_avx512(const void* grad, DType type, int64_t n);
+
 void adam_avx2(const AdamConstants& c, const AdamPartition& p);
 void adam_avx512(const AdamConstants& c, const AdamPartition& p);
 // Elements [begin, n) with the scalar path (the SIMD paths use it for their tails).

@@ -89,6 +89,40 @@ TEST(Optimizer, FusedCpuAdamMatchesTorchOptimAndTheReference) {
 }
 
 // State allocated ahead (as the engine does) changes nothing: same steps as created lazily.
+// The fused step over segments: bf16 gradients scaled by a factor (loss-scale inverse × clip
+// coefficient), two segments covering the partition in pieces, the bf16 compute copy written in
+// the same pass. Against the reference optimizer stepping on the fp32 scaled gradient, then cast.
+TEST(Optimizer, FusedSegmentsWithScaleAndCopyMatchTheReference) {
+  const int64_t n = 1003, cut = 517;
+  Hyper h{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+  auto fused = make_fused_cpu_adamw(h);
+  auto ref = make_adamw(h);
+  ASSERT_TRUE(fused->fused());
+  EXPECT_FALSE(ref->fused());
+  EXPECT_THROW(ref->fused_step(torch::zeros({n}), {}, 1.0), Error);
+  torch::manual_seed(3);
+  at::Tensor p_fused = torch::randn({n}), p_ref = p_fused.clone();
+  at::Tensor copy = torch::empty({n}, torch::kBFloat16);
+  const double scale = 0.75 / 1024.0;
+  for (int step = 0; step < 5; ++step) {
+    at::Tensor g = (torch::randn({n}) * 1024.0).to(torch::kBFloat16);
+    std::vector<FusedSegment> segs(2);
+    for (int k = 0; k < 2; ++k) {
+      segs[k].offset = k == 0 ? 0 : cut;
+      segs[k].n = k == 0 ? cut : n - cut;
+      segs[k].grad = static_cast<const uint16_t*>(g.data_ptr()) + segs[k].offset;
+      segs[k].grad_type = cpu::DType::kBf16;
+      segs[k].copy = static_cast<uint16_t*>(copy.data_ptr()) + segs[k].offset;
+      segs[k].copy_type = cpu::DType::kBf16;
+    }
+    fused->fused_step(p_fused, segs, scale);
+    ref->step(p_ref, g.to(torch::kFloat) * scale);
+  }
+  EXPECT_LE(((p_fused - p_ref).abs() / p_ref.abs().clamp_min(1e-12)).max().item<double>(), 1e-5);
+  EXPECT_TRUE(torch::equal(copy, p_fused.to(torch::kBFloat16)));
+  EXPECT_EQ(fused->steps(), 5);
+}
+
 TEST(Optimizer, StateAllocatedAheadGivesTheSameSteps) {
   const int64_t n = 257;
   for (auto make : {+[] { return make_sgd(Hyper{.lr = 0.05, .momentum = 0.9}); },

@@ -243,3 +243,68 @@ TEST(CpuAdam, ThreadCountDoesNotChangeTheResult) {
     }
   }
 }
+
+TEST(CpuAdam, Fp32CopyIsTheNewMasterOnEveryPath) {
+  for (Simd simd : {Simd::kScalar, Simd::kAvx2, Simd::kAvx512}) {
+    if (!simd_supported(simd)) continue;
+    Data x = adam_test_data(1003, 6);
+    std::vector<float> copy(x.master.size(), -1.0f);
+    AdamPartition p = partition(x, DType::kFp32, DType::kBf16, false);
+    p.copy = copy.data();
+    p.copy_type = DType::kFp32;
+    adam_step(hyper(true, 1), p, simd, 3);
+    ASSERT_EQ(0, std::memcmp(copy.data(), x.master.data(), copy.size() * 4)) << simd_name(simd);
+  }
+}
+
+// Gradient statistics: the sum of squares against a float64 sum (long double accumulation of the
+// decoded values), the maximum magnitude exactly, for every path, dtype and awkward length.
+TEST(GradStats, EveryPathMatchesFloat64OnOddLengths) {
+  for (Simd simd : {Simd::kScalar, Simd::kAvx2, Simd::kAvx512}) {
+    if (!simd_supported(simd)) continue;
+    for (int64_t n : kLengths) {
+      for (DType g : {DType::kFp32, DType::kBf16, DType::kFp16}) {
+        for (int threads : {1, 3}) {
+          SCOPED_TRACE(testing::Message() << simd_name(simd) << " n=" << n << " dtype " << static_cast<int>(g)
+                                          << " threads " << threads);
+          Data x = adam_test_data(n, static_cast<uint32_t>(n) + 77);
+          const void* ptr = partition(x, g, DType::kBf16, false).grad;
+          long double sum = 0;
+          double amax = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            const double v = g == DType::kFp32 ? x.grad32[i] : g == DType::kBf16 ? bf16_value(x.grad16[i])
+                                                                                   : half_value(x.grad16[i]);
+            sum += static_cast<long double>(v) * v;
+            amax = std::max(amax, std::fabs(v));
+          }
+          const GradStats s = grad_stats(ptr, g, n, simd, threads);
+          EXPECT_TRUE(s.finite());
+          EXPECT_LE(std::fabs(s.sumsq - static_cast<double>(sum)), 1e-13 * static_cast<double>(sum));
+          EXPECT_EQ(static_cast<double>(s.amax), amax);
+        }
+      }
+    }
+  }
+}
+
+TEST(GradStats, InfAndNanAreFoundInEveryPosition) {
+  constexpr int64_t n = 67;  // a 16-lane body, an 8-lane body and a tail
+  for (Simd simd : {Simd::kScalar, Simd::kAvx2, Simd::kAvx512}) {
+    if (!simd_supported(simd)) continue;
+    for (DType g : {DType::kFp32, DType::kBf16, DType::kFp16}) {
+      for (float bad : {INFINITY, -INFINITY, NAN}) {
+        for (int64_t pos = 0; pos < n; ++pos) {
+          Data x = adam_test_data(n, 3);
+          const void* ptr = partition(x, g, DType::kBf16, false).grad;
+          if (g == DType::kFp32) x.grad32[pos] = bad;
+          else x.grad16[pos] = g == DType::kBf16 ? reference_bf16(bad) : reference_half(bad);
+          ASSERT_FALSE(grad_stats(ptr, g, n, simd, 1).finite())
+              << simd_name(simd) << " dtype " << static_cast<int>(g) << " value " << bad << " at " << pos;
+        }
+      }
+    }
+  }
+  // Large finite values are not an overflow: their squares fit in float64.
+  std::vector<float> big(33, 3.0e38f);
+  EXPECT_TRUE(grad_stats(big.data(), DType::kFp32, 33).finite());
+}
