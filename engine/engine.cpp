@@ -67,16 +67,24 @@ optim::Hyper adam_hyper(const Options& o, const char* name, size_t group) {
   return h;
 }
 
+// Whether the fused optimizer kernels exist for partitions on `device`.
+bool fused_kernels(const c10::Device& device) {
+#ifdef ZEAL_HAVE_CUDA
+  if (device.is_cuda()) return true;
+#endif
+  return device.is_cpu();
+}
+
 // The zeal optimizer for a LibTorch optimizer's parameter group, with its hyperparameters.
-// Adam and AdamW on CPU partitions run the fused SIMD kernel.
-std::unique_ptr<optim::Optimizer> optimizer_for(torch::optim::OptimizerOptions& options, size_t group, bool cpu) {
+// Adam and AdamW run the fused kernels where the partition lives on a device that has them.
+std::unique_ptr<optim::Optimizer> optimizer_for(torch::optim::OptimizerOptions& options, size_t group, bool fused) {
   if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
     const auto h = adam_hyper(*o, "AdamW", group);
-    return cpu ? optim::make_fused_cpu_adamw(h) : optim::make_adamw(h);
+    return fused ? optim::make_fused_adamw(h) : optim::make_adamw(h);
   }
   if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
     const auto h = adam_hyper(*o, "Adam", group);
-    return cpu ? optim::make_fused_cpu_adam(h) : optim::make_adam(h);
+    return fused ? optim::make_fused_adam(h) : optim::make_adam(h);
   }
   if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
     if (o->dampening() != 0) throw Error(fmt::format("parameter group {}: SGD with dampening is not supported", group));
@@ -230,11 +238,11 @@ void Engine::build_zero() {
         }
         group_of[it->second] = static_cast<int>(g);
       }
-      groups.push_back({{}, {}, optimizer_for(pgs[g].options(), g, device_.is_cpu())});
+      groups.push_back({{}, {}, optimizer_for(pgs[g].options(), g, fused_kernels(device_))});
       state_->base_lrs.push_back(pgs[g].options().get_lr());
     }
   } else {
-    groups.push_back({{}, {}, optim::make_optimizer(config_.optimizer, device_.is_cpu())});
+    groups.push_back({{}, {}, optim::make_optimizer(config_.optimizer, fused_kernels(device_))});
     state_->base_lrs.push_back(config_.optimizer.lr.value);
     for (size_t i = 0; i < all.size(); ++i) group_of[i] = 0;
   }

@@ -1,6 +1,7 @@
-// Adam and AdamW on CPU partitions through the fused SIMD kernel (kernels/cpu/adam.h): one pass
-// over master, m, v and the gradient, split over LibTorch's intra-op thread count. The reference
-// implementations in optimizer.cpp stay the test oracle.
+// Adam and AdamW through the fused kernels: on CPU partitions the SIMD kernel (kernels/cpu/adam.h),
+// one pass over master, m, v and the gradient split over LibTorch's intra-op thread count; on CUDA
+// partitions the multi-tensor kernel (kernels/cuda/adam.h), one launch for all segments, on the
+// default stream. The reference implementations in optimizer.cpp stay the test oracle.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -9,14 +10,17 @@
 #include "engine/error.h"
 #include "engine/optim/adam_state.h"
 #include "kernels/cpu/adam.h"
+#ifdef ZEAL_HAVE_CUDA
+#include "kernels/cuda/adam.h"
+#endif
 
 namespace zeal::optim {
 namespace {
 
-class FusedCpuAdam final : public AdamState {
+class FusedAdam final : public AdamState {
  public:
-  FusedCpuAdam(Hyper h, bool decoupled) : AdamState(h, decoupled) {}
-  std::string name() const override { return decoupled_ ? "AdamW (fused CPU)" : "Adam (fused CPU)"; }
+  FusedAdam(Hyper h, bool decoupled) : AdamState(h, decoupled) {}
+  std::string name() const override { return decoupled_ ? "AdamW (fused)" : "Adam (fused)"; }
   bool fused() const override { return true; }
 
   void step(const at::Tensor& params, const at::Tensor& grads) override {
@@ -31,8 +35,8 @@ class FusedCpuAdam final : public AdamState {
   }
 
   void fused_step(const at::Tensor& params, const std::vector<FusedSegment>& segments, double grad_scale) override {
-    if (params.scalar_type() != at::kFloat || !params.is_cpu() || !params.is_contiguous()) {
-      throw Error(fmt::format("{}: needs contiguous float32 CPU parameters", name()));
+    if (params.scalar_type() != at::kFloat || !params.is_contiguous() || !(params.is_cpu() || params.is_cuda())) {
+      throw Error(fmt::format("{}: needs contiguous float32 parameters on the CPU or a CUDA device", name()));
     }
     ensure_state(params);
     ++steps_;
@@ -45,6 +49,7 @@ class FusedCpuAdam final : public AdamState {
     h.decoupled = decoupled_;
     h.step = steps_;
     h.grad_scale = static_cast<float>(grad_scale);
+    if (params.is_cuda()) return cuda_step(h, params, segments);
     const int threads = at::get_num_threads();
     for (const FusedSegment& s : segments) {
       ZEAL_CHECK(s.offset >= 0 && s.offset + s.n <= params.numel()) << "segment outside the partition";
@@ -61,11 +66,29 @@ class FusedCpuAdam final : public AdamState {
       cpu::adam_step(h, p, cpu::best_simd(), threads);
     }
   }
+
+ private:
+  void cuda_step(const cpu::AdamHyper& h, const at::Tensor& params, const std::vector<FusedSegment>& segments) {
+#ifdef ZEAL_HAVE_CUDA
+    std::vector<cuda::AdamTensor> tensors;
+    for (const FusedSegment& s : segments) {
+      ZEAL_CHECK(s.offset >= 0 && s.offset + s.n <= params.numel()) << "segment outside the partition";
+      ZEAL_CHECK(s.grad_type == segments[0].grad_type && s.copy_type == segments[0].copy_type && !s.copy == !segments[0].copy)
+          << "segments of one step share their gradient and copy types";
+      tensors.push_back({params.data_ptr<float>() + s.offset, exp_avg_.data_ptr<float>() + s.offset,
+                         exp_avg_sq_.data_ptr<float>() + s.offset, s.grad, s.copy, s.n});
+    }
+    if (!tensors.empty()) cuda::multi_tensor_adam(h, tensors, segments[0].grad_type, segments[0].copy_type, nullptr);
+#else
+    (void)h, (void)params, (void)segments;
+    throw Error(fmt::format("{}: this build of zeal has no CUDA kernels", name()));
+#endif
+  }
 };
 
 }  // namespace
 
-std::unique_ptr<Optimizer> make_fused_cpu_adam(const Hyper& h) { return std::make_unique<FusedCpuAdam>(h, false); }
-std::unique_ptr<Optimizer> make_fused_cpu_adamw(const Hyper& h) { return std::make_unique<FusedCpuAdam>(h, true); }
+std::unique_ptr<Optimizer> make_fused_adam(const Hyper& h) { return std::make_unique<FusedAdam>(h, false); }
+std::unique_ptr<Optimizer> make_fused_adamw(const Hyper& h) { return std::make_unique<FusedAdam>(h, true); }
 
 }  // namespace zeal::optim

@@ -107,7 +107,7 @@ std::unique_ptr<Optimizer> make_adam(const Hyper& h) { return std::make_unique<A
 std::unique_ptr<Optimizer> make_adamw(const Hyper& h) { return std::make_unique<AdamImpl>(h, true); }
 std::unique_ptr<Optimizer> make_sgd(const Hyper& h) { return std::make_unique<SgdImpl>(h); }
 
-std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& c, bool fused_cpu) {
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& c, bool fused) {
   auto need = [](const auto& v, const char* key) {
     if (v.is_auto) throw Error(fmt::format("optimizer.params.{} is \"auto\" and was not resolved (call Config::resolve_auto)", key));
     return v.value;
@@ -121,8 +121,8 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& c, bool fused_c
   h.weight_decay = need(c.weight_decay, "weight_decay");
   h.momentum = c.momentum;
   h.nesterov = c.nesterov;
-  if (c.type == "Adam") return fused_cpu ? make_fused_cpu_adam(h) : make_adam(h);
-  if (c.type == "AdamW") return fused_cpu ? make_fused_cpu_adamw(h) : make_adamw(h);
+  if (c.type == "Adam") return fused ? make_fused_adam(h) : make_adam(h);
+  if (c.type == "AdamW") return fused ? make_fused_adamw(h) : make_adamw(h);
   if (c.type == "SGD") return make_sgd(h);
   throw Error(fmt::format("optimizer.type '{}' is not one zeal implements (Adam, AdamW, SGD){}", c.type,
                           c.type.empty() ? "; pass your own optimizer to the engine instead" : ""));

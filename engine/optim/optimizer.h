@@ -63,7 +63,7 @@ class Optimizer {
   virtual int64_t state_bytes_per_param() const = 0;
 
   // Whether fused_step is available: an update from gradients in any precision that writes the
-  // compute copy in the same pass (the fused CPU kernels).
+  // compute copy in the same pass (the fused kernels).
   virtual bool fused() const { return false; }
   // One step over all segments of `params`; every gradient is multiplied by grad_scale first.
   virtual void fused_step(const at::Tensor& params, const std::vector<FusedSegment>& segments, double grad_scale);
@@ -83,18 +83,19 @@ class Optimizer {
 std::unique_ptr<Optimizer> make_adam(const Hyper& h);
 // Adam with decoupled weight decay (torch.optim.AdamW).
 std::unique_ptr<Optimizer> make_adamw(const Hyper& h);
-// The same on CPU partitions with the fused SIMD kernel (kernels/cpu/adam.h), threads from
-// LibTorch's intra-op count. What the engine uses for CPU-resident partitions.
-std::unique_ptr<Optimizer> make_fused_cpu_adam(const Hyper& h);
-std::unique_ptr<Optimizer> make_fused_cpu_adamw(const Hyper& h);
+// The same through the fused kernels: the SIMD kernel on CPU partitions (kernels/cpu/adam.h,
+// threads from LibTorch's intra-op count), the multi-tensor kernel on CUDA partitions
+// (kernels/cuda/adam.h, in builds with CUDA). What the engine uses for Adam and AdamW.
+std::unique_ptr<Optimizer> make_fused_adam(const Hyper& h);
+std::unique_ptr<Optimizer> make_fused_adamw(const Hyper& h);
 // SGD with optional momentum (dampening 0), Nesterov, and L2 weight decay (torch.optim.SGD).
 std::unique_ptr<Optimizer> make_sgd(const Hyper& h);
 
 // The optimizer the config names ("Adam", "AdamW", "SGD"; DeepSpeed's "Adam" with
 // `adam_w_mode` is not a key zeal reads: "AdamW" is). Throws zeal::Error for an unknown type
 // or an unresolved "auto".
-// fused_cpu: Adam and AdamW with the fused CPU kernel.
-std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config, bool fused_cpu = false);
+// fused: Adam and AdamW with the fused kernels.
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config, bool fused = false);
 
 }  // namespace optim
 }  // namespace zeal

@@ -126,7 +126,7 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
   } else if (opts_.compute_dtype == at::kFloat && opts_.stage == 0) {
     grad32_ = grad_flat_;
   }
-  fused_ = optimizer_->fused() && device.is_cpu();
+  fused_ = optimizer_->fused() && (device.is_cpu() || device.is_cuda());
 
   // A post hook on each parameter's gradient accumulator tells the group its gradient arrived.
   hook_state_ = std::make_shared<HookState>();

@@ -59,11 +59,11 @@ TEST(Optimizer, SgdMomentumAndNesterovMatchTorchOptimSGD) {
 }
 
 // The fused CPU kernel behind the same interface: against torch::optim and the reference.
-TEST(Optimizer, FusedCpuAdamMatchesTorchOptimAndTheReference) {
+TEST(Optimizer, FusedAdamMatchesTorchOptimAndTheReference) {
   const int64_t n = 1003;  // a tail for every SIMD width
   for (bool decoupled : {true, false}) {
     Hyper h{.lr = 1e-2, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6, .weight_decay = 0.1};
-    auto fused = decoupled ? make_fused_cpu_adamw(h) : make_fused_cpu_adam(h);
+    auto fused = decoupled ? make_fused_adamw(h) : make_fused_adam(h);
     auto reference = decoupled ? make_adamw(h) : make_adam(h);
     torch::Tensor p = torch::randn({n}).requires_grad_(true);
     at::Tensor p_ref = p.detach().clone(), p_fused = p.detach().clone();
@@ -76,7 +76,7 @@ TEST(Optimizer, FusedCpuAdamMatchesTorchOptimAndTheReference) {
     // Element-wise relative: float32 scalars (lr, betas) against LibTorch's doubles move
     // elements near 0 by a few 1e-6 of their size.
     EXPECT_LE(run_both(*fused, *theirs, p, n), 2e-5) << (decoupled ? "AdamW" : "Adam");
-    fused = decoupled ? make_fused_cpu_adamw(h) : make_fused_cpu_adam(h);
+    fused = decoupled ? make_fused_adamw(h) : make_fused_adam(h);
     torch::manual_seed(7);
     for (int step = 0; step < 10; ++step) {
       at::Tensor g = torch::randn({n}) * (step + 1);
@@ -95,7 +95,7 @@ TEST(Optimizer, FusedCpuAdamMatchesTorchOptimAndTheReference) {
 TEST(Optimizer, FusedSegmentsWithScaleAndCopyMatchTheReference) {
   const int64_t n = 1003, cut = 517;
   Hyper h{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
-  auto fused = make_fused_cpu_adamw(h);
+  auto fused = make_fused_adamw(h);
   auto ref = make_adamw(h);
   ASSERT_TRUE(fused->fused());
   EXPECT_FALSE(ref->fused());
