@@ -20,6 +20,7 @@
 #include "engine/optim/loss_scale.h"
 #include "engine/optim/optimizer.h"
 #include "engine/runtime/runtime.h"
+#include "engine/zero/stage3.h"
 #include "engine/zero/zero_optimizer.h"
 
 namespace zeal {
@@ -27,7 +28,7 @@ namespace zeal {
 struct Engine::State {
   std::shared_ptr<torch::nn::Module> module;
   torch::optim::Optimizer* torch_optimizer = nullptr;
-  std::unique_ptr<zero::ZeroOptimizer> zero;
+  std::unique_ptr<zero::Sharding> zero;
   // Schedules: LibTorch ones step the LibTorch optimizer's rates; zeal ones give the rate of
   // optimizer step t directly (the config's, or one the program prepared).
   struct Scheduler {
@@ -119,12 +120,7 @@ Engine::~Engine() = default;
 
 void Engine::init() {
   const auto& z = config_.zero;
-  if (z.stage == 3) {
-    throw Error(fmt::format("zero_optimization.stage 3 ({}): stage 3 is not available in this version; use 0, 1 or 2",
-                            config_.origins.count("zero_optimization.stage")
-                                ? config_.origins.at("zero_optimization.stage").describe()
-                                : "config"));
-  }
+
   if (z.offload_optimizer.device != OffloadDevice::kNone || z.offload_param.device != OffloadDevice::kNone) {
     throw Error("zero_optimization.offload_optimizer / offload_param: offload is not available in this version; set "
                 "the device to none");
@@ -218,7 +214,8 @@ void Engine::build_zero() {
   std::vector<at::Tensor> all;
   std::vector<std::string> names;
   for (auto& item : module.named_parameters(true)) {
-    index.emplace(item.value().unsafeGetTensorImpl(), static_cast<int>(all.size()));
+    // A parameter registered under two names (tied weights) counts once, under its first name.
+    if (!index.emplace(item.value().unsafeGetTensorImpl(), static_cast<int>(all.size())).second) continue;
     all.push_back(item.value());
     names.push_back(item.key());
   }
@@ -276,6 +273,20 @@ void Engine::build_zero() {
   for (auto& p : frozen) {
     if (at::isFloatingType(p.scalar_type()) && p.scalar_type() != compute_dtype_) p.set_data(p.to(compute_dtype_));
   }
+  if (config_.zero.stage == 3) {
+    if (groups.size() != 1) {
+      throw Error(fmt::format("stage 3 takes one parameter group; the optimizer has {}", groups.size()));
+    }
+    zero::Stage3Options o3;
+    o3.compute_dtype = compute_dtype_;
+    o3.prefetch_elems = config_.zero.stage3_prefetch_bucket_size.value;
+    o3.persistence_threshold = config_.zero.stage3_param_persistence_threshold.value;
+    o3.max_live_elems = config_.zero.stage3_max_live_parameters;
+    o3.prefetch = o3.prefetch_elems > 0;
+    state_->zero = std::make_unique<zero::Stage3>(c, module, std::move(groups[0].optimizer), o3);
+    state_->config_schedule = optim::make_schedule(config_.scheduler, state_->base_lrs.at(0));
+    return;
+  }
   zero::GroupOptions o;
   o.stage = static_cast<int>(config_.zero.stage);
   o.compute_dtype = compute_dtype_;
@@ -313,7 +324,7 @@ void Engine::begin_micro_step() {
 void Engine::backward(const at::Tensor& loss) {
   if (!state_->zero) throw Error("engine.backward: prepare the model and an optimizer first");
   if (!guard_open_) begin_micro_step();
-  if (state_->backward_in_micro_step && (sync_ || state_->zero->stage() == 2)) {
+  if (state_->backward_in_micro_step && (sync_ || state_->zero->stage() >= 2)) {
     throw Error("engine.backward was called twice in one micro-step; add the losses and call it once");
   }
   state_->backward_in_micro_step = true;
@@ -540,6 +551,45 @@ Engine::MainProcessFirst::~MainProcessFirst() noexcept(false) {
   if (e_ && e_->is_main_process() && std::uncaught_exceptions() == 0) e_->wait_for_everyone();
 }
 
+Engine::Gathered Engine::gathered(std::vector<at::Tensor> params, int modifier_rank) {
+  if (modifier_rank >= num_processes()) {
+    throw Error(fmt::format("engine.gathered: modifier_rank {} is not a rank of this {}-process run", modifier_rank,
+                            num_processes()));
+  }
+  std::vector<int> units;
+  if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) units = s3->gather_units(params);
+  return Gathered(this, std::move(units), std::move(params), modifier_rank);
+}
+
+Engine::Gathered::~Gathered() noexcept(false) {
+  if (!e_ || std::uncaught_exceptions() > 0) return;
+  if (auto* s3 = dynamic_cast<zero::Stage3*>(e_->state_->zero.get())) {
+    s3->release_units(units_, modifier_rank_);
+    return;
+  }
+  if (modifier_rank_ < 0 || e_->num_processes() == 1) return;
+  // Stages 0-2: parameters are whole everywhere; a modification is broadcast. (Trainable ones
+  // would also need their master weights refreshed: not supported there.)
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> ps = params_;
+  if (ps.empty() && e_->state_->module) ps = e_->state_->module->parameters(true);
+  for (auto& p : ps) {
+    if (p.requires_grad() && e_->state_->zero) {
+      throw Error("engine.gathered with a modifier_rank changes trainable parameters only in stage 3");
+    }
+    e_->comm().broadcast(p.detach(), modifier_rank_).wait();
+  }
+}
+
+void Engine::reset_peak_memory() {
+  if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) s3->reset_peak();
+}
+
+std::pair<int64_t, int64_t> Engine::prefetch_counts() const {
+  if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) return {s3->prefetched(), s3->on_demand()};
+  return {0, 0};
+}
+
 int Engine::zero_stage() const { return static_cast<int>(config_.zero.stage); }
 
 MemoryReport Engine::memory() const {
@@ -552,8 +602,15 @@ MemoryReport Engine::memory() const {
     m.optimizer_states = b.optimizer;
     m.workspace = b.workspace;
   }
+  if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) {
+    m.frozen_params = s3->frozen_bytes();
+    m.gathered = s3->gathered_bytes();
+    m.gathered_peak = s3->peak_gathered_bytes();
+    m.gathered_bound = s3->gathered_bound();
+  }
   if (state_->module) {
     for (auto& p : state_->module->parameters(true)) {
+      if (state_->zero && state_->zero->stage() == 3) break;  // every parameter lives in a unit's shards
       if (!state_->zero || !p.requires_grad()) {
         (state_->zero ? m.frozen_params : m.params) += p.nbytes();
       }

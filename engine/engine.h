@@ -191,7 +191,33 @@ class Engine {
   };
   MainProcessFirst main_process_first() { return MainProcessFirst(this); }
 
+  // DeepSpeed's GatheredParameters: while the guard lives, the full values of `params` (every
+  // parameter when empty) are present on every rank, to read or, with modifier_rank >= 0, to
+  // modify in place: at the end of the guard that rank's values are broadcast and written into
+  // every rank's shards and master weights. Outside stage 3 parameters are always whole and the
+  // guard only broadcasts modifications. Every rank must open and close it.
+  class [[nodiscard]] Gathered {
+   public:
+    Gathered(Engine* e, std::vector<int> units, std::vector<at::Tensor> params, int modifier_rank)
+        : e_(e), units_(std::move(units)), params_(std::move(params)), modifier_rank_(modifier_rank) {}
+    Gathered(Gathered&& o) noexcept
+        : e_(std::exchange(o.e_, nullptr)), units_(std::move(o.units_)), params_(std::move(o.params_)),
+          modifier_rank_(o.modifier_rank_) {}
+    ~Gathered() noexcept(false);
+
+   private:
+    Engine* e_;
+    std::vector<int> units_;
+    std::vector<at::Tensor> params_;
+    int modifier_rank_;
+  };
+  Gathered gathered(std::vector<at::Tensor> params = {}, int modifier_rank = -1);
+
   at::Device device() const { return device_; }
+  // Stage 3: restart the gathered-bytes peak of memory(); how many unit all-gathers prefetch
+  // issued and how often the recorded order did not match (fetched on demand, traced again).
+  void reset_peak_memory();
+  std::pair<int64_t, int64_t> prefetch_counts() const;
   int zero_stage() const;
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   template <class M>

@@ -14,7 +14,11 @@ struct MemoryReport {
   int64_t optimizer_states = 0;  // e.g. Adam's m and v
   int64_t frozen_params = 0;     // parameters with requires_grad = false
   int64_t buffers = 0;           // the model's buffers
-  int64_t workspace = 0;         // step scratch and gradient staging (peak)
+  int64_t workspace = 0;         // step scratch and gradient staging (peak); stage 3: gathered units too
+  // Stage 3: bytes of unit parameters gathered now (persistent units included), the most since
+  // the last engine.reset_peak_memory(), and the bound the fetch coordinator keeps to:
+  // stage3_max_live_parameters + the largest unit + the persistent units.
+  int64_t gathered = 0, gathered_peak = 0, gathered_bound = 0;
   int64_t model_states() const { return params + grads + master + optimizer_states; }
   int64_t total() const { return model_states() + frozen_params + buffers + workspace; }
   // "params 1.2 MiB, grads …" on one line.

@@ -38,6 +38,10 @@ struct RunSpec {
   bool overlap = true;
   bool freeze_embeddings = false;
   bool step_lr = false;  // a LibTorch StepLR(step 3, gamma 0.5) on the optimizer
+  // stage 3
+  int64_t persistence = 0;      // stage3_param_persistence_threshold
+  int64_t prefetch = 50'000'000;  // stage3_prefetch_bucket_size (0: no prefetch)
+  int64_t max_live = 1'000'000'000;
   uint64_t seed = 7;
   // fp16 loss scaling
   int64_t initial_scale_power = 16, loss_scale_window = 1000, hysteresis = 2;
@@ -99,6 +103,9 @@ inline zeal::Config make_config(const RunSpec& s) {
   c.fp16.initial_scale_power = s.initial_scale_power;
   c.fp16.loss_scale_window = s.loss_scale_window;
   c.fp16.hysteresis = s.hysteresis;
+  c.zero.stage3_param_persistence_threshold = {s.persistence, false};
+  c.zero.stage3_prefetch_bucket_size = {s.prefetch, false};
+  c.zero.stage3_max_live_parameters = s.max_live;
   return c;
 }
 
@@ -145,7 +152,11 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
   const int64_t per_step = s.micro_batch * s.world * s.accumulation;
   at::Tensor tokens = make_tokens(per_step * s.steps);
   std::vector<double> losses, norms, skipped, scales;
-  std::vector<at::Tensor> trajectory{flat_params(*m)};  // before the first step, then after each
+  auto full_params = [&] {
+    auto g = engine.gathered();  // stage 3: the whole parameters, for reading
+    return flat_params(*m);
+  };
+  std::vector<at::Tensor> trajectory{full_params()};  // before the first step, then after each
   for (int step = 0; step < s.steps; ++step) {
     double step_loss = 0;
     for (int micro = 0; micro < s.accumulation; ++micro) {
@@ -170,10 +181,10 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
       o.zero_grad();
     }
     losses.push_back(step_loss);
-    trajectory.push_back(flat_params(*m));
+    trajectory.push_back(full_params());
   }
   const std::string me = std::to_string(engine.process_index());
-  write_tensor(dir + "/params_" + me, flat_params(*m));
+  write_tensor(dir + "/params_" + me, full_params());
   write_tensor(dir + "/skipped_" + me, at::tensor(skipped, at::kDouble));
   write_tensor(dir + "/scales_" + me, at::tensor(scales, at::kDouble));
   write_tensor(dir + "/trajectory_" + me, at::stack(trajectory));

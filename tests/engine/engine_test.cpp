@@ -57,19 +57,20 @@ INSTANTIATE_TEST_SUITE_P(Zero, Equivalence,
                          ::testing::Values(Case{1, 0, 1}, Case{2, 0, 1}, Case{2, 1, 1}, Case{2, 2, 1}, Case{3, 2, 1},
                                            Case{1, 2, 3}, Case{2, 0, 3}, Case{2, 1, 3}, Case{2, 2, 3},
                                            Case{3, 0, 3}, Case{3, 1, 3}, Case{3, 2, 3}, Case{4, 0, 3},
-                                           Case{4, 1, 3}, Case{4, 2, 3}),
+                                           Case{4, 1, 3}, Case{4, 2, 3}, Case{1, 3, 1}, Case{2, 3, 1},
+                                           Case{3, 3, 1}, Case{2, 3, 3}, Case{3, 3, 3}, Case{4, 3, 3}),
                          case_name);
 
 // Sharded stages against stage 0 at the same world size: 1e-6.
 class StagesAgree : public ::testing::TestWithParam<int> {};
 
-TEST_P(StagesAgree, StageOneAndTwoMatchStageZero) {
+TEST_P(StagesAgree, ShardedStagesMatchStageZero) {
   RunSpec s;
   s.world = GetParam();
   s.accumulation = 3;
   s.stage = 0;
   const RunResult zero = run_engine(s, "stage0");
-  for (int stage : {1, 2}) {
+  for (int stage : {1, 2, 3}) {
     s.stage = stage;
     s.overlap = stage == 2;
     const RunResult got = run_engine(s, "stage" + std::to_string(stage));

@@ -11,6 +11,8 @@
 
 #include <cmath>
 
+#include "engine/zero/sharded.h"
+
 namespace zeal_test {
 
 struct TinyGptOptions {
@@ -56,7 +58,9 @@ struct TinyGptImpl : torch::nn::Module {
         wpe(register_module("wpe", torch::nn::Embedding(o.seq, o.dim))),
         ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim})))),
         head(register_module("head", torch::nn::Linear(torch::nn::LinearOptions(o.dim, o.vocab).bias(false)))) {
-    for (int64_t i = 0; i < o.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(o)));
+    for (int64_t i = 0; i < o.layers; ++i) {
+      blocks.push_back(register_module("block" + std::to_string(i), zeal::Sharded<Block>(o)));
+    }
   }
 
   // idx: [B, T] token ids → logits [B, T, vocab]
@@ -68,7 +72,7 @@ struct TinyGptImpl : torch::nn::Module {
   }
 
   torch::nn::Embedding wte, wpe;
-  std::vector<Block> blocks;
+  std::vector<zeal::Sharded<Block>> blocks;  // the stage-3 units; plain blocks in other stages
   torch::nn::LayerNorm ln_f;
   torch::nn::Linear head;
 };
