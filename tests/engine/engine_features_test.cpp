@@ -322,7 +322,12 @@ TEST(Errors, NameTheProblem) {
         }
         zeal::Config c = make_config(RunSpec{});
         c.zero.stage = 3;
-        expect_error([&] { zeal::Engine e(c, rt); }, "zero_optimization.stage 3");
+        zeal::Engine e3(c, rt);
+        zeal_test::Setup u = make_setup(RunSpec{});
+        std::vector<at::Tensor> a{u.trainable[0]}, b(u.trainable.begin() + 1, u.trainable.end());
+        torch::optim::AdamW two({torch::optim::OptimizerParamGroup(a), torch::optim::OptimizerParamGroup(b)},
+                                torch::optim::AdamWOptions(1e-3));
+        expect_error([&] { (void)e3.prepare(u.model, two); }, "stage 3 takes one parameter group");
       },
       1);
   EXPECT_EQ(zeal::describe_failures(results), "");
