@@ -4,12 +4,12 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <fmt/format.h>
 
 #include "engine/error.h"
+#include "engine/zero/grad_hook.h"
 
 namespace zeal::zero {
 
@@ -20,20 +20,6 @@ struct FlatGroup::HookState {
 };
 
 namespace {
-
-// Runs after the parameter's AccumulateGrad: its .grad now holds this backward's contribution.
-class GradReadyHook final : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    fn_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> fn_;
-};
 
 // Buckets of whole parameters, in order, of at most `limit` elements (a larger parameter alone).
 std::vector<std::vector<int>> cut_buckets(const std::vector<at::Tensor>& params, int64_t limit) {
@@ -55,8 +41,7 @@ std::vector<std::vector<int>> cut_buckets(const std::vector<at::Tensor>& params,
 
 FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::vector<std::string> names,
                      std::unique_ptr<optim::Optimizer> optimizer, const GroupOptions& options)
-    : comm_(comm), opts_(options), params_(std::move(params)), names_(std::move(names)),
-      optimizer_(std::move(optimizer)) {
+    : comm_(comm), opts_(options), params_(std::move(params)), names_(std::move(names)) {
   ZEAL_CHECK(names_.size() == params_.size()) << names_.size() << " names for " << params_.size() << " parameters";
   if (opts_.stage < 0 || opts_.stage > 2) throw Error(fmt::format("FlatGroup handles stages 0-2, not {}", opts_.stage));
   const int world = comm_.world_size(), rank = comm_.rank();
@@ -77,7 +62,7 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
   for (auto& members : cut_buckets(params_, std::max<int64_t>(opts_.bucket_elems, 1))) {
     std::vector<int64_t> numels;
     for (int i : members) numels.push_back(params_[i].numel());
-    Bucket b{FlatLayout(numels, world, opts_.align), members};
+    Bucket b{.layout = FlatLayout(numels, world, opts_.align), .params = members};
     b.offset = padded_;
     const bool whole = opts_.stage == 0;
     b.owned_begin = whole ? 0 : b.layout.shard_begin(rank);
@@ -100,10 +85,10 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
     init.narrow(0, flat_offset_[i], params_[i].numel()).copy_(params_[i].detach().reshape({-1}));
   }
   if (world > 1 && padded_ > 0) comm_.broadcast(init, 0).wait();
-  master_ = at::empty({owned_total_}, fp32);
-  optimizer_->allocate_state(master_);
+  at::Tensor master = at::empty({owned_total_}, fp32);
+  optimizer->allocate_state(master);
   for (int b = 0; b < num_buckets(); ++b) {
-    master_.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(init, b));
+    master.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(init, b));
   }
   param_flat_ = opts_.compute_dtype == at::kFloat ? init : init.to(opts_.compute_dtype);
   init = at::Tensor();
@@ -119,26 +104,25 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
   } else {
     grad_part_ = at::zeros({owned_total_}, compute);
   }
-  // An fp32 copy of the owned gradients is needed only off the fused path (or to clip by value),
-  // and where they already are fp32 in one contiguous region it is a view, not a copy.
-  if (opts_.compute_dtype == at::kFloat && opts_.stage == 2) {
-    grad32_ = grad_part_;
-  } else if (opts_.compute_dtype == at::kFloat && opts_.stage == 0) {
-    grad32_ = grad_flat_;
+  // The step works bucket by bucket on the owned regions. An fp32 copy of the owned gradients is
+  // needed only off the fused path (or to clip by value), and where they already are fp32 laid out
+  // like the master it is that buffer, not a copy.
+  std::vector<ShardStep::Piece> pieces;
+  for (int b = 0; b < num_buckets(); ++b) {
+    pieces.push_back({buckets_[b].master_offset, owned_grad_view(b), owned_view(param_flat_, b)});
   }
-  fused_ = optimizer_->fused() && (device.is_cpu() || device.is_cuda());
+  at::Tensor alias;
+  if (opts_.compute_dtype == at::kFloat) alias = opts_.stage == 2 ? grad_part_ : opts_.stage == 0 ? grad_flat_ : at::Tensor();
+  step_ = ShardStep(std::move(master), std::move(optimizer), std::move(pieces), alias);
 
   // A post hook on each parameter's gradient accumulator tells the group its gradient arrived.
   hook_state_ = std::make_shared<HookState>();
   hook_state_->group = this;
   for (size_t i = 0; i < params_.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-    ZEAL_CHECK(acc) << "no gradient accumulator for " << names_[i];
     std::weak_ptr<HookState> weak = hook_state_;
-    acc->add_post_hook(std::make_unique<GradReadyHook>([weak, i] {
+    accumulators_.push_back(zero::on_grad_ready(params_[i], names_[i], [weak, i] {
       if (auto s = weak.lock()) s->group->on_grad_ready(static_cast<int>(i));
     }));
-    accumulators_.push_back(std::move(acc));
   }
   next_launch_ = num_buckets() - 1;
 }
@@ -178,7 +162,7 @@ void FlatGroup::reattach_grad(int i, bool overwrite) {
 void FlatGroup::begin_micro_step(bool sync) {
   ZEAL_CHECK(in_flight_.empty()) << "a micro-step began with reductions in flight";
   sync_ = sync;
-  grad32_ready_ = false;
+  step_.reset();
   for (auto& b : buckets_) {
     b.arrived = 0;
     b.launched = false;
@@ -273,104 +257,13 @@ void FlatGroup::end_backward() {
   while (!in_flight_.empty()) complete_oldest();
 }
 
-namespace {
-
-cpu::DType kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return cpu::DType::kFp32;
-    case at::kBFloat16: return cpu::DType::kBf16;
-    case at::kHalf: return cpu::DType::kFp16;
-    default: throw Error(fmt::format("no fused kernel for {} tensors", c10::toString(t)));
-  }
-}
-
-// Statistics of one contiguous tensor: the SIMD kernel on CPU, tensor ops elsewhere.
-cpu::GradStats stats_of(const at::Tensor& t) {
-  if (t.numel() == 0) return {};
-  if (t.is_cpu() && t.is_contiguous()) {
-    return cpu::grad_stats(t.data_ptr(), kernel_dtype(t.scalar_type()), t.numel(), cpu::best_simd(),
-                           at::get_num_threads());
-  }
-  const double norm = at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble).item<double>();
-  return {norm * norm, t.abs().max().item<float>()};
-}
-
-}  // namespace
-
 at::Tensor FlatGroup::owned_grad_view(int b) const {
   const Bucket& k = buckets_[b];
   return opts_.stage == 2 ? grad_part_.narrow(0, k.master_offset, k.owned_len) : owned_view(grad_flat_, b);
 }
 
-cpu::GradStats FlatGroup::local_stats(double inv_scale) {
-  c10::NoGradGuard no_grad;
-  cpu::GradStats s;
-  double scale = 1.0;
-  if (grad32_ready_) {
-    s = stats_of(grad32_);
-  } else {
-    for (int b = 0; b < num_buckets(); ++b) s = cpu::combine(s, stats_of(owned_grad_view(b)));
-    scale = inv_scale * pending_scale_;
-  }
-  s.sumsq *= scale * scale;
-  s.amax = static_cast<float>(s.amax * scale);
-  return s;
-}
-
-void FlatGroup::scale_grads(double c) {
-  c10::NoGradGuard no_grad;
-  if (grad32_ready_) grad32_.mul_(c);
-  else pending_scale_ *= c;
-}
-
-const at::Tensor& FlatGroup::owned_grads(double inv_scale) {
-  if (grad32_ready_) return grad32_;
-  c10::NoGradGuard no_grad;
-  if (!grad32_.defined()) grad32_ = at::empty({owned_total_}, master_.options());
-  if (opts_.stage == 2) {
-    if (!grad32_.is_same(grad_part_)) grad32_.copy_(grad_part_);
-  } else if (!grad32_.is_same(grad_flat_)) {
-    for (int b = 0; b < num_buckets(); ++b) {
-      grad32_.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(grad_flat_, b));
-    }
-  }
-  const double scale = inv_scale * pending_scale_;
-  if (scale != 1.0) grad32_.mul_(scale);
-  pending_scale_ = 1.0;
-  grad32_ready_ = true;
-  return grad32_;
-}
-
 void FlatGroup::apply_step(double lr, double inv_scale) {
-  c10::NoGradGuard no_grad;
-  optimizer_->set_lr(lr);
-  if (fused_) {
-    // One pass per bucket: gradients (unscaled and clipped by the factor), Adam, compute copy.
-    std::vector<optim::FusedSegment> segments;
-    const double scale = grad32_ready_ ? 1.0 : inv_scale * pending_scale_;
-    for (int b = 0; b < num_buckets(); ++b) {
-      const Bucket& k = buckets_[b];
-      if (k.owned_len == 0) continue;
-      const at::Tensor g = grad32_ready_ ? grad32_.narrow(0, k.master_offset, k.owned_len) : owned_grad_view(b);
-      at::Tensor copy = owned_view(param_flat_, b);
-      optim::FusedSegment seg;
-      seg.offset = k.master_offset;
-      seg.n = k.owned_len;
-      seg.grad = g.data_ptr();
-      seg.grad_type = kernel_dtype(g.scalar_type());
-      seg.copy = copy.data_ptr();
-      seg.copy_type = kernel_dtype(copy.scalar_type());
-      segments.push_back(seg);
-    }
-    if (owned_total_ > 0) optimizer_->fused_step(master_, segments, scale);
-  } else {
-    const at::Tensor& g = owned_grads(inv_scale);
-    if (owned_total_ > 0) optimizer_->step(master_, g);
-    for (int b = 0; b < num_buckets(); ++b) {
-      const Bucket& k = buckets_[b];
-      owned_view(param_flat_, b).copy_(master_.narrow(0, k.master_offset, k.owned_len));
-    }
-  }
+  step_.apply(lr, inv_scale);
   if (opts_.stage > 0 && comm_.world_size() > 1) {
     std::vector<Work> gathers;
     for (int b = 0; b < num_buckets(); ++b) {
@@ -390,18 +283,16 @@ void FlatGroup::zero_grad() {
     grad_part_.zero_();
     for (auto& p : params_) p.mutable_grad() = at::Tensor();
   }
-  grad32_ready_ = false;
-  pending_scale_ = 1.0;
+  step_.reset();
 }
 
 GroupBytes FlatGroup::bytes() const {
   GroupBytes out;
   out.params = param_flat_.nbytes();
   out.grads = grad_flat_.defined() ? grad_flat_.nbytes() : grad_part_.nbytes();
-  out.master = master_.nbytes();
-  out.optimizer = optimizer_->state_bytes();
-  const bool alias = !grad32_.defined() || grad32_.is_same(grad_flat_) || grad32_.is_same(grad_part_);
-  out.workspace = (alias ? 0 : grad32_.nbytes()) + staging_peak_;
+  out.master = step_.master().nbytes();
+  out.optimizer = step_.optimizer().state_bytes();
+  out.workspace = step_.workspace_bytes() + staging_peak_;
   return out;
 }
 

@@ -33,7 +33,7 @@
 #include "engine/comm/communicator.h"
 #include "engine/optim/optimizer.h"
 #include "engine/zero/layout.h"
-#include "kernels/cpu/adam.h"
+#include "engine/zero/shard_step.h"
 
 namespace zeal::zero {
 
@@ -67,29 +67,17 @@ class FlatGroup {
   void begin_micro_step(bool sync);
   void end_backward();
 
-  // Sum of squares and largest magnitude of the reduced, unscaled gradients of this rank's
-  // partition (after the sync micro-step's end_backward). On the fused path they are read where
-  // they lie, in their own precision, without a copy.
-  cpu::GradStats local_stats(double inv_scale);
-  // Multiplies the gradients by c (clipping by norm). On the fused path this costs nothing: the
-  // factor joins the loss scale's inverse in the step's single pass.
-  void scale_grads(double c);
-  // The reduced, unscaled gradients of this rank's partition as one fp32 tensor to modify in
-  // place (clipping by value, optimizers without a fused step). Made on first use; valid until
-  // zero_grad.
-  const at::Tensor& owned_grads(double inv_scale);
+  // The step over this rank's owned regions (statistics, clipping, the fused update).
+  ShardStep& shard_step() { return step_; }
   // Updates the master partition from the gradients, writes it into the compute parameters and
-  // all-gathers them (stage 1, 2). The fused path does unscale, clip, Adam and the compute copy
-  // in one pass over each bucket's owned region.
+  // all-gathers them (stage 1, 2).
   void apply_step(double lr, double inv_scale);
-  // Whether the step runs the fused kernels (the optimizer has them and the partition is on CPU).
-  bool fused() const { return fused_; }
   void zero_grad();
 
   // Whether this rank's partition holds a replica of every gradient (stage 0): then norms need
   // no all-reduce.
   bool replicated() const { return opts_.stage == 0; }
-  optim::Optimizer& optimizer() { return *optimizer_; }
+  optim::Optimizer& optimizer() { return step_.optimizer(); }
   GroupBytes bytes() const;
   int64_t num_elements() const { return total_elems_; }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
@@ -105,7 +93,7 @@ class FlatGroup {
     int64_t master_offset = 0;  // of the owned region in the partition
     int arrived = 0;            // gradients seen this micro-step
     bool launched = false;
-    at::Tensor staging;  // stage 2: the bucket's gradients while it is being reduced
+    at::Tensor staging{};  // stage 2: the bucket's gradients while it is being reduced
   };
   struct InFlight {
     int bucket;
@@ -126,7 +114,6 @@ class FlatGroup {
   GroupOptions opts_;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
-  std::unique_ptr<optim::Optimizer> optimizer_;
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_;        // param → bucket
   std::vector<int64_t> flat_offset_;  // param → offset in the group's flat buffers
@@ -135,11 +122,7 @@ class FlatGroup {
   at::Tensor param_flat_;  // compute dtype, padded_ elements: every parameter's storage
   at::Tensor grad_flat_;   // stage 0, 1: compute dtype, padded_ elements
   at::Tensor grad_part_;   // stage 2: compute dtype, owned_total_ elements
-  at::Tensor master_;      // fp32, owned_total_ elements
-  at::Tensor grad32_;      // fp32 unscaled owned gradients, made when needed (or a view of the above)
-  bool grad32_ready_ = false;
-  double pending_scale_ = 1.0;  // clip factor not yet applied to the gradients
-  bool fused_ = false;
+  ShardStep step_;         // fp32 master (owned_total_ elements), optimizer, the update
 
   bool sync_ = true;
   int next_launch_ = -1;  // the next bucket to launch, counting down

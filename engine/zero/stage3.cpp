@@ -6,7 +6,6 @@
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
@@ -21,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "engine/error.h"
+#include "engine/zero/grad_hook.h"
 #include "engine/zero/sharded.h"
 #include "kernels/cpu/adam.h"
 
@@ -44,37 +44,6 @@ void alloc_storage(const at::Tensor& t) {
   s->set_nbytes(bytes);
 }
 
-cpu::DType kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return cpu::DType::kFp32;
-    case at::kBFloat16: return cpu::DType::kBf16;
-    case at::kHalf: return cpu::DType::kFp16;
-    default: throw Error(fmt::format("no fused kernel for {} tensors", c10::toString(t)));
-  }
-}
-
-cpu::GradStats stats_of(const at::Tensor& t) {
-  if (t.numel() == 0) return {};
-  if (t.is_cpu() && t.is_contiguous()) {
-    return cpu::grad_stats(t.data_ptr(), kernel_dtype(t.scalar_type()), t.numel(), cpu::best_simd(),
-                           at::get_num_threads());
-  }
-  const double norm = at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble).item<double>();
-  return {norm * norm, t.abs().max().item<float>()};
-}
-
-class GradReadyHook final : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    fn_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> fn_;
-};
 
 // Identity whose backward runs just before the unit's own backward: the point to gather it again.
 struct PreBackward : public torch::autograd::Function<PreBackward> {
@@ -249,7 +218,7 @@ namespace zero {
 
 Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<optim::Optimizer> optimizer,
                const Stage3Options& options)
-    : comm_(comm), opts_(options), optimizer_(std::move(optimizer)) {
+    : Sharding(comm), opts_(options) {
   c10::NoGradGuard no_grad;
   // Units: the root, then every Sharded member in the model's (pre-)order.
   units_.push_back(std::make_unique<Unit>(*this, 0, "(root)"));
@@ -315,9 +284,13 @@ Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<opt
     gathered_now_ += u->gathered_bytes();
   }
   gathered_peak_ = gathered_now_;
-  master_ = masters.empty() ? at::empty({0}, at::kFloat) : at::cat(masters);
-  optimizer_->allocate_state(master_);
-  fused_ = optimizer_->fused() && (master_.is_cpu() || master_.is_cuda());
+  at::Tensor master = masters.empty() ? at::empty({0}, at::kFloat) : at::cat(masters);
+  optimizer->allocate_state(master);
+  std::vector<ShardStep::Piece> pieces;
+  for (auto& u : units_) {
+    if (u->train_.layout) pieces.push_back({u->master_offset_, u->grad_shard_, u->train_.shard});
+  }
+  step_ = ShardStep(std::move(master), std::move(optimizer), std::move(pieces));
   for (auto& u : units_) u->release();
   gathered_peak_ = gathered_now_;
 
@@ -325,13 +298,10 @@ Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<opt
   for (auto& u : units_) {
     Unit* unit = u.get();
     for (size_t i = 0; i < unit->train_.params.size(); ++i) {
-      auto acc = torch::autograd::impl::grad_accumulator(unit->train_.params[i]);
-      ZEAL_CHECK(acc) << "no gradient accumulator for " << unit->train_.names[i];
       std::weak_ptr<void> alive = alive_;
-      acc->add_post_hook(std::make_unique<GradReadyHook>([alive, unit, i] {
+      unit->accumulators_.push_back(on_grad_ready(unit->train_.params[i], unit->train_.names[i], [alive, unit, i] {
         if (!alive.expired()) unit->on_grad_ready(static_cast<int>(i));
       }));
-      unit->accumulators_.push_back(std::move(acc));
     }
   }
   for (size_t i = 0; i < modules_.size(); ++i) modules_[i]->attach(units_[i + 1].get());
@@ -427,143 +397,27 @@ void Stage3::end_backward() {
   trace_pos_ = 0;
 }
 
-Stage3::Stats Stage3::local_stats(double inv_scale) {
-  cpu::GradStats s;
-  double scale = 1.0;
-  if (grad32_ready_) {
-    s = stats_of(grad32_);
-  } else {
-    for (auto& u : units_)
-      if (u->grad_shard_.defined()) s = cpu::combine(s, stats_of(u->grad_shard_));
-    scale = inv_scale * pending_scale_;
-  }
-  return {s.sumsq * scale * scale, s.amax * scale};
-}
+bool Stage3::sharded_grads() const { return comm_.world_size() > 1; }
 
-const at::Tensor& Stage3::grads32(double inv_scale) {
-  if (grad32_ready_) return grad32_;
-  c10::NoGradGuard no_grad;
-  if (!grad32_.defined()) grad32_ = at::empty_like(master_);
-  for (auto& u : units_) {
-    if (u->grad_shard_.defined()) grad32_.narrow(0, u->master_offset_, u->grad_shard_.numel()).copy_(u->grad_shard_);
-  }
-  const double scale = inv_scale * pending_scale_;
-  if (scale != 1.0) grad32_.mul_(scale);
-  pending_scale_ = 1.0;
-  grad32_ready_ = true;
-  return grad32_;
-}
-
-double Stage3::grad_norm(double inv_scale, double norm_type) {
-  if (norm_type != 2.0 && !std::isinf(norm_type)) {
-    throw Error(fmt::format("gradient norms of type {} are not supported (2 or inf)", norm_type));
-  }
-  c10::NoGradGuard no_grad;
-  const bool sharded = comm_.world_size() > 1;
-  if (!have_norm_) {
-    double local = local_stats(inv_scale).sumsq;
-    if (sharded) {
-      at::Tensor s = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
-      comm_.all_reduce(s, ReduceOp::kSum).wait();
-      local = s.item<double>();
-    }
-    sumsq_ = local;
-    have_norm_ = true;
-    if (!std::isfinite(local)) overflow_ = true;
-  }
-  if (!std::isinf(norm_type)) return std::sqrt(sumsq_);
-  if (!std::isfinite(sumsq_)) return std::numeric_limits<double>::infinity();
-  double m = local_stats(inv_scale).amax;
-  if (sharded) {
-    at::Tensor s = at::full({1}, m, at::TensorOptions().dtype(at::kDouble));
-    comm_.all_reduce(s, ReduceOp::kMax).wait();
-    m = s.item<double>();
-  }
-  return m;
-}
-
-double Stage3::clip_grad_norm(double max_norm, double norm_type, double inv_scale) {
-  const double norm = grad_norm(inv_scale, norm_type);
-  clipped_ = true;
-  norm_before_clip_ = norm;
-  if (!std::isfinite(norm)) return norm;
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    c10::NoGradGuard no_grad;
-    if (grad32_ready_) grad32_.mul_(coef);
-    else pending_scale_ *= coef;
-    sumsq_ *= coef * coef;
-  }
-  return norm;
-}
-
-void Stage3::clip_grad_value(double value, double inv_scale) {
-  if (!(value > 0)) throw Error(fmt::format("clip_grad_value_: the clip value must be positive, got {}", value));
-  grad_norm(inv_scale);
-  c10::NoGradGuard no_grad;
-  grads32(inv_scale).clamp_(-value, value);
-  have_norm_ = false;
-}
-
-Sharding::StepResult Stage3::step(double inv_scale, double clip, const std::vector<double>& lrs) {
-  ZEAL_CHECK(lrs.size() == 1) << lrs.size() << " learning rates for one group";
-  StepResult r;
-  r.grad_norm = clipped_ ? norm_before_clip_ : grad_norm(inv_scale);
-  if (overflow_) {
-    zero_grad();
-    return r;
-  }
-  if (clip > 0 && !clipped_) clip_grad_norm(clip, 2.0, inv_scale);
-  c10::NoGradGuard no_grad;
-  optimizer_->set_lr(lrs[0]);
-  if (fused_) {
-    std::vector<optim::FusedSegment> segments;
-    const double scale = grad32_ready_ ? 1.0 : inv_scale * pending_scale_;
-    for (auto& u : units_) {
-      if (!u->train_.layout) continue;
-      const int64_t n = u->train_.shard.numel();
-      const at::Tensor g = grad32_ready_ ? grad32_.narrow(0, u->master_offset_, n) : u->grad_shard_;
-      optim::FusedSegment seg;
-      seg.offset = u->master_offset_;
-      seg.n = n;
-      seg.grad = g.data_ptr();
-      seg.grad_type = kernel_dtype(g.scalar_type());
-      seg.copy = u->train_.shard.data_ptr();
-      seg.copy_type = kernel_dtype(u->train_.shard.scalar_type());
-      segments.push_back(seg);
-    }
-    if (master_.numel() > 0) optimizer_->fused_step(master_, segments, scale);
-  } else {
-    const at::Tensor& g = grads32(inv_scale);
-    if (master_.numel() > 0) optimizer_->step(master_, g);
-    for (auto& u : units_) {
-      if (u->train_.layout) u->train_.shard.copy_(master_.narrow(0, u->master_offset_, u->train_.shard.numel()));
-    }
-  }
+void Stage3::apply(double inv_scale, const std::vector<double>& lrs) {
+  step_.apply(lrs.at(0), inv_scale);  // writes every unit's compute-precision shard
   // Units that stay gathered take their new values now; the others at their next fetch.
+  c10::NoGradGuard no_grad;
   for (auto& u : units_) {
     if (!u->persistent_ || !u->train_.layout) continue;
-    const FlatLayout& l = *u->train_.layout;
     if (comm_.world_size() > 1) {
       comm_.all_gather(u->train_.shard, u->train_.full).wait();
     } else {
-      u->train_.full.narrow(0, 0, l.shard_size()).copy_(u->train_.shard);
+      u->train_.full.copy_(u->train_.shard);
     }
   }
-  r.stepped = true;
-  zero_grad();
-  return r;
 }
 
-void Stage3::zero_grad() {
+void Stage3::clear_grads() {
   c10::NoGradGuard no_grad;
   for (auto& u : units_)
     if (u->grad_shard_.defined()) u->grad_shard_.zero_();
-  grad32_ready_ = false;
-  pending_scale_ = 1.0;
-  have_norm_ = false;
-  clipped_ = false;
-  overflow_ = false;
+  step_.reset();
 }
 
 std::vector<int> Stage3::gather_units(const std::vector<at::Tensor>& params) {
@@ -592,7 +446,7 @@ void Stage3::release_units(const std::vector<int>& units, int modifier_rank) {
         if (comm_.world_size() > 1) comm_.broadcast(part->full, modifier_rank).wait();
         const FlatLayout& l = *part->layout;
         part->shard.copy_(part->full.narrow(0, l.shard_begin(comm_.rank()), l.shard_size()));
-        if (part == &u.train_) master_.narrow(0, u.master_offset_, l.shard_size()).copy_(part->shard);
+        if (part == &u.train_) step_.master().narrow(0, u.master_offset_, l.shard_size()).copy_(part->shard);
       }
     }
     u.release();
@@ -606,9 +460,9 @@ GroupBytes Stage3::bytes() const {
     if (u->grad_shard_.defined()) out.grads += u->grad_shard_.nbytes();
     if (u->grad_staging_.defined()) out.workspace += u->grad_staging_.nbytes();
   }
-  out.master = master_.nbytes();
-  out.optimizer = optimizer_->state_bytes();
-  out.workspace += gathered_now_ + (grad32_.defined() ? grad32_.nbytes() : 0);
+  out.master = step_.master().nbytes();
+  out.optimizer = step_.optimizer().state_bytes();
+  out.workspace += gathered_now_ + step_.workspace_bytes();
   return out;
 }
 

@@ -32,6 +32,7 @@
 #include "engine/comm/communicator.h"
 #include "engine/optim/optimizer.h"
 #include "engine/zero/layout.h"
+#include "engine/zero/shard_step.h"
 #include "engine/zero/zero_optimizer.h"
 
 namespace torch::nn {
@@ -114,11 +115,6 @@ class Stage3 final : public Sharding {
 
   void begin_micro_step(bool sync) override;
   void end_backward() override;
-  double grad_norm(double inv_scale, double norm_type = 2.0) override;
-  double clip_grad_norm(double max_norm, double norm_type, double inv_scale) override;
-  void clip_grad_value(double value, double inv_scale) override;
-  StepResult step(double inv_scale, double clip, const std::vector<double>& lrs) override;
-  void zero_grad() override;
   size_t num_groups() const override { return 1; }
   GroupBytes bytes() const override;
   int64_t num_elements() const override { return trainable_elems_; }
@@ -148,34 +144,26 @@ class Stage3 final : public Sharding {
   int64_t prefetched() const { return prefetched_; }
   int64_t on_demand() const { return on_demand_; }
 
+ protected:
+  std::vector<ShardStep*> shard_steps() override { return {&step_}; }
+  bool sharded_grads() const override;
+  void apply(double inv_scale, const std::vector<double>& lrs) override;
+  void clear_grads() override;
+
  private:
   friend class Unit;
-  struct Stats {
-    double sumsq = 0;
-    double amax = 0;
-  };
   void note_fetch(Unit& u);  // trace and prefetch
   void release_idle_frozen(Unit* except);
   void launch_ready_reductions();
-  Stats local_stats(double inv_scale);
-  const at::Tensor& grads32(double inv_scale);
 
-  Communicator& comm_;
   Stage3Options opts_;
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // hooks outliving the engine do nothing
-  std::unique_ptr<optim::Optimizer> optimizer_;
   std::vector<std::unique_ptr<Unit>> units_;
   std::vector<ShardedBase*> modules_;
-  at::Tensor master_;  // fp32, every unit's trainable shard end to end
-  at::Tensor grad32_;  // fp32 copy for clipping by value / unfused optimizers, made when needed
-  bool grad32_ready_ = false;
-  double pending_scale_ = 1.0;
-  bool fused_ = false;
+  ShardStep step_;  // fp32 master: every unit's trainable shard end to end
   int64_t trainable_elems_ = 0;
   int64_t gathered_now_ = 0, gathered_peak_ = 0;
   bool sync_ = true;
-  bool have_norm_ = false, clipped_ = false, overflow_ = false;
-  double sumsq_ = 0, norm_before_clip_ = 0;
   // Prefetch: the recorded order of fetches, the position in it, whether it is being recorded.
   std::vector<int> trace_, recording_;
   size_t trace_pos_ = 0;

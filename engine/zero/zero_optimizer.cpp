@@ -12,40 +12,29 @@
 
 namespace zeal::zero {
 
-ZeroOptimizer::ZeroOptimizer(Communicator& comm, std::vector<Group> groups, const GroupOptions& options)
-    : comm_(comm), options_(options) {
-  for (auto& g : groups) {
-    groups_.push_back(std::make_unique<FlatGroup>(comm_, std::move(g.params), std::move(g.names),
-                                                  std::move(g.optimizer), options_));
-  }
-}
+// --- Sharding: the step, for every stage ----------------------------------------------------
 
-void ZeroOptimizer::begin_micro_step(bool sync) {
-  for (auto& g : groups_) g->begin_micro_step(sync);
+void Sharding::reset_norm() {
   have_norm_ = false;
   clipped_ = false;
   overflow_ = false;
 }
 
-void ZeroOptimizer::end_backward() {
-  for (auto& g : groups_) g->end_backward();
-}
-
-double ZeroOptimizer::grad_norm(double inv_scale, double norm_type) {
+double Sharding::grad_norm(double inv_scale, double norm_type) {
   if (norm_type != 2.0 && !std::isinf(norm_type)) {
     throw Error(fmt::format("gradient norms of type {} are not supported (2 or inf)", norm_type));
   }
   c10::NoGradGuard no_grad;
-  const bool sharded = options_.stage > 0 && comm_.world_size() > 1;
+  const bool sharded = sharded_grads();
   if (!have_norm_) {
     // Sums of squares in double, one all-reduce over ranks: an inf or nan anywhere makes it
     // non-finite on every rank.
     double local = 0;
-    for (auto& g : groups_) local += g->local_stats(inv_scale).sumsq;
+    for (ShardStep* s : shard_steps()) local += s->stats(inv_scale).sumsq;
     if (sharded) {
-      at::Tensor s = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
-      comm_.all_reduce(s, ReduceOp::kSum).wait();
-      local = s.item<double>();
+      at::Tensor t = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
+      comm_.all_reduce(t, ReduceOp::kSum).wait();
+      local = t.item<double>();
     }
     sumsq_ = local;
     have_norm_ = true;
@@ -54,16 +43,16 @@ double ZeroOptimizer::grad_norm(double inv_scale, double norm_type) {
   if (!std::isinf(norm_type)) return std::sqrt(sumsq_);
   if (!std::isfinite(sumsq_)) return std::numeric_limits<double>::infinity();
   double m = 0;
-  for (auto& g : groups_) m = std::max(m, static_cast<double>(g->local_stats(inv_scale).amax));
+  for (ShardStep* s : shard_steps()) m = std::max(m, static_cast<double>(s->stats(inv_scale).amax));
   if (sharded) {
-    at::Tensor s = at::full({1}, m, at::TensorOptions().dtype(at::kDouble));
-    comm_.all_reduce(s, ReduceOp::kMax).wait();
-    m = s.item<double>();
+    at::Tensor t = at::full({1}, m, at::TensorOptions().dtype(at::kDouble));
+    comm_.all_reduce(t, ReduceOp::kMax).wait();
+    m = t.item<double>();
   }
   return m;
 }
 
-double ZeroOptimizer::clip_grad_norm(double max_norm, double norm_type, double inv_scale) {
+double Sharding::clip_grad_norm(double max_norm, double norm_type, double inv_scale) {
   const double norm = grad_norm(inv_scale, norm_type);
   clipped_ = true;
   norm_before_clip_ = norm;
@@ -71,22 +60,22 @@ double ZeroOptimizer::clip_grad_norm(double max_norm, double norm_type, double i
   // torch.nn.utils.clip_grad_norm_'s coefficient.
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) {
-    for (auto& g : groups_) g->scale_grads(coef);
+    for (ShardStep* s : shard_steps()) s->scale(coef);
     sumsq_ *= coef * coef;
   }
   return norm;
 }
 
-void ZeroOptimizer::clip_grad_value(double value, double inv_scale) {
+void Sharding::clip_grad_value(double value, double inv_scale) {
   if (!(value > 0)) throw Error(fmt::format("clip_grad_value_: the clip value must be positive, got {}", value));
   grad_norm(inv_scale);  // an inf would survive clamping as ±value: look for it first
   c10::NoGradGuard no_grad;
-  for (auto& g : groups_) g->owned_grads(inv_scale).clamp_(-value, value);
+  for (ShardStep* s : shard_steps()) s->fp32_grads(inv_scale).clamp_(-value, value);
   have_norm_ = false;
 }
 
-ZeroOptimizer::StepResult ZeroOptimizer::step(double inv_scale, double clip, const std::vector<double>& lrs) {
-  ZEAL_CHECK(lrs.size() == groups_.size()) << lrs.size() << " learning rates for " << groups_.size() << " groups";
+Sharding::StepResult Sharding::step(double inv_scale, double clip, const std::vector<double>& lrs) {
+  ZEAL_CHECK(lrs.size() == num_groups()) << lrs.size() << " learning rates for " << num_groups() << " groups";
   StepResult r;
   r.grad_norm = clipped_ ? norm_before_clip_ : grad_norm(inv_scale);
   if (overflow_) {
@@ -94,17 +83,50 @@ ZeroOptimizer::StepResult ZeroOptimizer::step(double inv_scale, double clip, con
     return r;
   }
   if (clip > 0 && !clipped_) clip_grad_norm(clip, 2.0, inv_scale);
-  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->apply_step(lrs[g], inv_scale);
+  apply(inv_scale, lrs);
   r.stepped = true;
   zero_grad();
   return r;
 }
 
-void ZeroOptimizer::zero_grad() {
+void Sharding::zero_grad() {
+  clear_grads();
+  reset_norm();
+}
+
+// --- ZeroOptimizer ------------------------------------------------------------------------------
+
+ZeroOptimizer::ZeroOptimizer(Communicator& comm, std::vector<Group> groups, const GroupOptions& options)
+    : Sharding(comm), options_(options) {
+  for (auto& g : groups) {
+    groups_.push_back(std::make_unique<FlatGroup>(comm_, std::move(g.params), std::move(g.names),
+                                                  std::move(g.optimizer), options_));
+  }
+}
+
+void ZeroOptimizer::begin_micro_step(bool sync) {
+  for (auto& g : groups_) g->begin_micro_step(sync);
+  reset_norm();
+}
+
+void ZeroOptimizer::end_backward() {
+  for (auto& g : groups_) g->end_backward();
+}
+
+std::vector<ShardStep*> ZeroOptimizer::shard_steps() {
+  std::vector<ShardStep*> out;
+  for (auto& g : groups_) out.push_back(&g->shard_step());
+  return out;
+}
+
+bool ZeroOptimizer::sharded_grads() const { return options_.stage > 0 && comm_.world_size() > 1; }
+
+void ZeroOptimizer::apply(double inv_scale, const std::vector<double>& lrs) {
+  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->apply_step(lrs[g], inv_scale);
+}
+
+void ZeroOptimizer::clear_grads() {
   for (auto& g : groups_) g->zero_grad();
-  have_norm_ = false;
-  clipped_ = false;
-  overflow_ = false;
 }
 
 GroupBytes ZeroOptimizer::bytes() const {

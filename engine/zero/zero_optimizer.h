@@ -1,9 +1,5 @@
-// ZeroOptimizer: the sharded optimizer of stages 0-2 over one FlatGroup per parameter group.
-//
-// It runs the parts of a step that span groups and ranks: the global gradient norm (local sums
-// of squares, one all-reduce when gradients are sharded), the overflow check that comes with it
-// (a non-finite norm on any rank skips the step on every rank), clipping by norm or by value,
-// and the update of every group at its learning rate.
+// Sharding, the interface the engine drives for every ZeRO stage, with the step logic all stages
+// share; ZeroOptimizer, stages 0-2 over one FlatGroup per parameter group.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -17,7 +13,10 @@
 
 namespace zeal::zero {
 
-// What the engine drives, whatever the stage: stages 0-2 (ZeroOptimizer) and 3 (Stage3).
+// What the engine drives, whatever the stage: stages 0-2 (ZeroOptimizer) and 3 (Stage3). The
+// parts of a step that span groups and ranks are here, once: the global gradient norm (local sums
+// of squares, one all-reduce when gradients are sharded), the overflow check that comes with it (a
+// non-finite norm on any rank skips the step on every rank), clipping, and the update.
 class Sharding {
  public:
   struct StepResult {
@@ -31,19 +30,39 @@ class Sharding {
   virtual void begin_micro_step(bool sync) = 0;
   virtual void end_backward() = 0;
   // The global norm of the unscaled gradients (norm_type 2 or inf); computed once per step.
-  virtual double grad_norm(double inv_scale, double norm_type = 2.0) = 0;
+  double grad_norm(double inv_scale, double norm_type = 2.0);
   // Scales the gradients so their global norm is at most max_norm; returns the norm before.
-  virtual double clip_grad_norm(double max_norm, double norm_type, double inv_scale) = 0;
+  double clip_grad_norm(double max_norm, double norm_type, double inv_scale);
   // Clamps every gradient element to [-value, value].
-  virtual void clip_grad_value(double value, double inv_scale) = 0;
+  void clip_grad_value(double value, double inv_scale);
   // One optimizer step at `lrs` (one per group). `clip`: the config's gradient_clipping, applied
   // unless clip_grad_norm ran this step. Gradients are cleared afterwards, stepped or not.
-  virtual StepResult step(double inv_scale, double clip, const std::vector<double>& lrs) = 0;
-  virtual void zero_grad() = 0;
+  StepResult step(double inv_scale, double clip, const std::vector<double>& lrs);
+  void zero_grad();
+
   virtual size_t num_groups() const = 0;
   virtual GroupBytes bytes() const = 0;
   virtual int64_t num_elements() const = 0;
   virtual int stage() const = 0;
+
+ protected:
+  explicit Sharding(Communicator& comm) : comm_(comm) {}
+  // The steps over what this rank owns (one per group, or one for all stage-3 units).
+  virtual std::vector<ShardStep*> shard_steps() = 0;
+  // Whether ranks hold different gradients (the norm then needs an all-reduce).
+  virtual bool sharded_grads() const = 0;
+  // Runs every update at its learning rate and makes the new values visible to the model.
+  virtual void apply(double inv_scale, const std::vector<double>& lrs) = 0;
+  // Clears the gradients (after a step, or a skipped one).
+  virtual void clear_grads() = 0;
+  // Forgets this step's norm and clipping (a new step begins).
+  void reset_norm();
+
+  Communicator& comm_;
+
+ private:
+  bool have_norm_ = false, clipped_ = false, overflow_ = false;
+  double sumsq_ = 0, norm_before_clip_ = 0;
 };
 
 class ZeroOptimizer final : public Sharding {
@@ -58,11 +77,6 @@ class ZeroOptimizer final : public Sharding {
 
   void begin_micro_step(bool sync) override;
   void end_backward() override;
-  double grad_norm(double inv_scale, double norm_type = 2.0) override;
-  double clip_grad_norm(double max_norm, double norm_type, double inv_scale) override;
-  void clip_grad_value(double value, double inv_scale) override;
-  StepResult step(double inv_scale, double clip, const std::vector<double>& lrs) override;
-  void zero_grad() override;
 
   size_t num_groups() const override { return groups_.size(); }
   FlatGroup& group(size_t g) { return *groups_[g]; }
@@ -70,12 +84,15 @@ class ZeroOptimizer final : public Sharding {
   int64_t num_elements() const override;
   int stage() const override { return options_.stage; }
 
+ protected:
+  std::vector<ShardStep*> shard_steps() override;
+  bool sharded_grads() const override;
+  void apply(double inv_scale, const std::vector<double>& lrs) override;
+  void clear_grads() override;
+
  private:
-  Communicator& comm_;
   GroupOptions options_;
   std::vector<std::unique_ptr<FlatGroup>> groups_;
-  bool have_norm_ = false, clipped_ = false, overflow_ = false;
-  double sumsq_ = 0, norm_before_clip_ = 0;
 };
 
 }  // namespace zeal::zero

@@ -1,0 +1,114 @@
+#include "engine/zero/shard_step.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <fmt/format.h>
+
+#include "engine/error.h"
+
+namespace zeal::zero {
+
+cpu::DType kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return cpu::DType::kFp32;
+    case at::kBFloat16: return cpu::DType::kBf16;
+    case at::kHalf: return cpu::DType::kFp16;
+    default: throw Error(fmt::format("no fused kernel for {} tensors", c10::toString(t)));
+  }
+}
+
+cpu::GradStats stats_of(const at::Tensor& t) {
+  if (t.numel() == 0) return {};
+  if (t.is_cpu() && t.is_contiguous()) {
+    return cpu::grad_stats(t.data_ptr(), kernel_dtype(t.scalar_type()), t.numel(), cpu::best_simd(),
+                           at::get_num_threads());
+  }
+  const double norm = at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble).item<double>();
+  return {norm * norm, t.abs().max().item<float>()};
+}
+
+ShardStep::ShardStep(at::Tensor master, std::unique_ptr<optim::Optimizer> optimizer, std::vector<Piece> pieces,
+                     at::Tensor grad32_alias)
+    : master_(std::move(master)), optimizer_(std::move(optimizer)), pieces_(std::move(pieces)),
+      grad32_(grad32_alias), alias_(std::move(grad32_alias)) {
+  for (const Piece& p : pieces_) {
+    ZEAL_CHECK(p.offset >= 0 && p.offset + p.grad.numel() <= master_.numel() && p.out.numel() == p.grad.numel())
+        << "a piece outside the master partition";
+  }
+  fused_ = optimizer_->fused() && (master_.is_cpu() || master_.is_cuda());
+}
+
+cpu::GradStats ShardStep::stats(double inv_scale) {
+  c10::NoGradGuard no_grad;
+  cpu::GradStats s;
+  double scale = 1.0;
+  if (grad32_ready_) {
+    s = stats_of(grad32_);
+  } else {
+    for (const Piece& p : pieces_) s = cpu::combine(s, stats_of(p.grad));
+    scale = inv_scale * pending_scale_;
+  }
+  s.sumsq *= scale * scale;
+  s.amax = static_cast<float>(s.amax * scale);
+  return s;
+}
+
+void ShardStep::scale(double c) {
+  c10::NoGradGuard no_grad;
+  if (grad32_ready_) grad32_.mul_(c);
+  else pending_scale_ *= c;
+}
+
+const at::Tensor& ShardStep::fp32_grads(double inv_scale) {
+  if (grad32_ready_) return grad32_;
+  c10::NoGradGuard no_grad;
+  if (!grad32_.defined()) grad32_ = at::empty_like(master_);
+  if (!grad32_.is_same(alias_)) {
+    for (const Piece& p : pieces_) grad32_.narrow(0, p.offset, p.grad.numel()).copy_(p.grad);
+  }
+  const double scale = inv_scale * pending_scale_;
+  if (scale != 1.0) grad32_.mul_(scale);
+  pending_scale_ = 1.0;
+  grad32_ready_ = true;
+  return grad32_;
+}
+
+void ShardStep::apply(double lr, double inv_scale) {
+  c10::NoGradGuard no_grad;
+  optimizer_->set_lr(lr);
+  if (master_.numel() == 0) return;
+  if (!fused_) {
+    optimizer_->step(master_, fp32_grads(inv_scale));
+    for (const Piece& p : pieces_) p.out.copy_(master_.narrow(0, p.offset, p.out.numel()));
+    return;
+  }
+  // One pass per piece: gradients (unscaled and clipped by the multiplier), the update, the copy.
+  const double scale = grad32_ready_ ? 1.0 : inv_scale * pending_scale_;
+  std::vector<optim::FusedSegment> segments;
+  for (const Piece& p : pieces_) {
+    if (p.grad.numel() == 0) continue;
+    const at::Tensor g = grad32_ready_ ? grad32_.narrow(0, p.offset, p.grad.numel()) : p.grad;
+    optim::FusedSegment seg;
+    seg.offset = p.offset;
+    seg.n = p.grad.numel();
+    seg.grad = g.data_ptr();
+    seg.grad_type = kernel_dtype(g.scalar_type());
+    seg.copy = p.out.data_ptr();
+    seg.copy_type = kernel_dtype(p.out.scalar_type());
+    segments.push_back(seg);
+  }
+  optimizer_->fused_step(master_, segments, scale);
+}
+
+void ShardStep::reset() {
+  grad32_ready_ = false;
+  pending_scale_ = 1.0;
+}
+
+int64_t ShardStep::workspace_bytes() const {
+  return grad32_.defined() && !grad32_.is_same(alias_) ? grad32_.nbytes() : 0;
+}
+
+}  // namespace zeal::zero

@@ -1,0 +1,72 @@
+// ShardStep: the optimizer step over what one rank owns, shared by every ZeRO stage.
+//
+// A rank owns an fp32 master partition and, laid against it in pieces, its reduced gradients (in
+// the compute dtype, wherever the stage keeps them: a bucket's owned region, a gradient partition,
+// a stage-3 unit's shard) and the compute-precision parameters the step must write (a bucket's
+// owned region of the parameter buffer, a unit's shard). ShardStep computes the gradient
+// statistics where the gradients lie, defers clipping into one multiplier, and runs the update:
+// with a fused optimizer one pass per piece reads the gradient, updates master and state and
+// writes the compute copy; otherwise the gradients are made into one fp32 tensor first.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/optim/optimizer.h"
+#include "kernels/cpu/adam.h"
+
+namespace zeal::zero {
+
+// The kernels' name for a tensor dtype (fp32, bf16, fp16); throws zeal::Error for others.
+cpu::DType kernel_dtype(at::ScalarType t);
+// Sum of squares and largest magnitude of one tensor: the SIMD kernel for contiguous CPU tensors,
+// tensor ops elsewhere.
+cpu::GradStats stats_of(const at::Tensor& t);
+
+class ShardStep {
+ public:
+  struct Piece {
+    int64_t offset = 0;  // in the master partition
+    at::Tensor grad;     // reduced gradients, compute dtype, contiguous
+    at::Tensor out;      // where the updated values go in compute precision (same numel)
+  };
+
+  ShardStep() = default;
+  // `grad32_alias`: a tensor laid out like `master` that already holds the gradients in fp32 (so
+  // no copy is needed to make them fp32), or undefined.
+  ShardStep(at::Tensor master, std::unique_ptr<optim::Optimizer> optimizer, std::vector<Piece> pieces,
+            at::Tensor grad32_alias = {});
+
+  // Statistics of the unscaled gradients (× inv_scale and any deferred clip factor).
+  cpu::GradStats stats(double inv_scale);
+  // Multiplies the gradients by c: deferred into the update's multiplier when possible.
+  void scale(double c);
+  // The unscaled gradients as one fp32 tensor laid out like the master, to modify in place; made
+  // on first use, valid until reset().
+  const at::Tensor& fp32_grads(double inv_scale);
+  // One optimizer step at lr; writes every piece's `out`.
+  void apply(double lr, double inv_scale);
+  // Forgets the fp32 gradients and the deferred factor (the gradients were cleared or are new).
+  void reset();
+
+  const at::Tensor& master() const { return master_; }
+  optim::Optimizer& optimizer() { return *optimizer_; }
+  const optim::Optimizer& optimizer() const { return *optimizer_; }
+  bool fused() const { return fused_; }
+  // Bytes of the fp32 gradient copy when one was made (not an alias).
+  int64_t workspace_bytes() const;
+
+ private:
+  at::Tensor master_;
+  std::unique_ptr<optim::Optimizer> optimizer_;
+  std::vector<Piece> pieces_;
+  at::Tensor grad32_, alias_;
+  bool grad32_ready_ = false;
+  double pending_scale_ = 1.0;
+  bool fused_ = false;
+};
+
+}  // namespace zeal::zero
