@@ -261,7 +261,8 @@ void Engine::build_zero() {
   // Frozen parameters and buffers: rank 0's values everywhere (as DDP does); frozen parameters
   // compute in the compute dtype too.
   Communicator& c = comm();
-  std::vector<at::Tensor> to_sync = frozen;
+  const bool stage3 = config_.zero.stage == 3;  // stage 3 broadcasts and casts every parameter itself
+  std::vector<at::Tensor> to_sync = stage3 ? std::vector<at::Tensor>{} : frozen;
   for (auto& b : module.buffers(true)) to_sync.push_back(b);
   if (c.world_size() > 1) {
     std::vector<Work> works;
@@ -271,9 +272,10 @@ void Engine::build_zero() {
     for (auto& w : works) w.wait();
   }
   for (auto& p : frozen) {
+    if (stage3) break;
     if (at::isFloatingType(p.scalar_type()) && p.scalar_type() != compute_dtype_) p.set_data(p.to(compute_dtype_));
   }
-  if (config_.zero.stage == 3) {
+  if (stage3) {
     if (groups.size() != 1) {
       throw Error(fmt::format("stage 3 takes one parameter group; the optimizer has {}", groups.size()));
     }

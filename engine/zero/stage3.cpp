@@ -66,19 +66,13 @@ Unit::Unit(Stage3& owner, int index, std::string name) : owner_(owner), index_(i
 
 int64_t Unit::Part::bytes() const { return full.defined() ? full.numel() * full.element_size() : 0; }
 
-int64_t Unit::numel() const {
-  int64_t n = 0;
-  for (const Part* p : {&train_, &frozen_})
-    for (const auto& t : p->params) n += t.numel();
-  return n;
-}
-
 int64_t Unit::gathered_bytes() const { return train_.bytes() + frozen_.bytes(); }
 
 // Lays the part's parameters end to end, takes rank 0's values, keeps this rank's shard (and, for
 // trainable parameters, its fp32 master) and points the parameters into the full buffer.
 void Unit::build(Part& part, bool trainable, at::Tensor* master_out) {
   if (part.params.empty()) return;
+  for (const auto& p : part.params) numel_ += p.numel();
   Communicator& comm = owner_.comm_;
   const auto& o = owner_.opts_;
   std::vector<int64_t> numels;
@@ -280,6 +274,7 @@ Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<opt
       u->grad_shard_ = at::zeros_like(u->train_.shard);
     }
     u->persistent_ = u->index() == 0 || u->numel() <= opts_.persistence_threshold;
+    if (u->persistent_) persistent_bytes_ += u->gathered_bytes();
     u->gathered_ = true;
     gathered_now_ += u->gathered_bytes();
   }
@@ -464,13 +459,6 @@ GroupBytes Stage3::bytes() const {
   out.optimizer = step_.optimizer().state_bytes();
   out.workspace += gathered_now_ + step_.workspace_bytes();
   return out;
-}
-
-int64_t Stage3::persistent_bytes() const {
-  int64_t n = 0;
-  for (auto& u : units_)
-    if (u->persistent_) n += u->train_.bytes() + u->frozen_.bytes();
-  return n;
 }
 
 int64_t Stage3::gathered_bound() const {

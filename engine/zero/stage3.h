@@ -65,7 +65,7 @@ class Unit {
   int index() const { return index_; }
   bool gathered() const { return gathered_; }
   bool persistent() const { return persistent_; }
-  int64_t numel() const;           // elements of all its parameters
+  int64_t numel() const { return numel_; }  // elements of all its parameters
   int64_t gathered_bytes() const;  // bytes its full buffers take while gathered
 
   // Called by Sharded<M>: before the block's forward, after it, and from the pre-backward point.
@@ -99,6 +99,7 @@ class Unit {
   at::Tensor grad_shard_;    // compute dtype, train_ shard size: reduced gradients, accumulated
   at::Tensor grad_staging_;  // compute dtype, train_ padded_total: this backward's gradients
   int64_t master_offset_ = 0;
+  int64_t numel_ = 0;
   int arrived_ = 0;
   bool reduced_ = false, gathered_ = false, persistent_ = false, in_backward_ = false;
   std::vector<Work> pending_;  // all-gathers in flight (prefetch)
@@ -134,7 +135,7 @@ class Stage3 final : public Sharding {
   int64_t peak_gathered_bytes() const { return gathered_peak_; }
   void reset_peak() { gathered_peak_ = gathered_now_; }
   // Bytes persistent units (the root included) keep gathered.
-  int64_t persistent_bytes() const;
+  int64_t persistent_bytes() const { return persistent_bytes_; }
   // stage3_max_live_parameters (in bytes of the compute dtype) + the largest unit + persistent.
   int64_t gathered_bound() const;
   int64_t frozen_bytes() const;
@@ -162,6 +163,7 @@ class Stage3 final : public Sharding {
   std::vector<ShardedBase*> modules_;
   ShardStep step_;  // fp32 master: every unit's trainable shard end to end
   int64_t trainable_elems_ = 0;
+  int64_t persistent_bytes_ = 0;  // fixed at construction
   int64_t gathered_now_ = 0, gathered_peak_ = 0;
   bool sync_ = true;
   // Prefetch: the recorded order of fetches, the position in it, whether it is being recorded.

@@ -170,7 +170,8 @@ TEST(Stage3, ChangingOrderTwiceUsedUnitAndEvalMatchStageZero) {
   }
 }
 
-// Prefetch along a stable order: the same numbers as without prefetch, and prefetches issued.
+// Prefetch along a stable order: the same numbers as fetching every unit on demand (that
+// prefetches are issued is asserted in the changing-order test).
 TEST(Stage3, PrefetchChangesNothingButTiming) {
   RunSpec s;
   s.world = 2;
