@@ -20,6 +20,7 @@
 #include "engine/optim/loss_scale.h"
 #include "engine/optim/optimizer.h"
 #include "engine/runtime/runtime.h"
+#include "engine/zero/init.h"
 #include "engine/zero/stage3.h"
 #include "engine/zero/zero_optimizer.h"
 
@@ -43,6 +44,10 @@ struct Engine::State {
   std::shared_ptr<data::Progress> progress = std::make_shared<data::Progress>();
   int64_t loader_batch_size = 0;
   bool backward_in_micro_step = false, grads_pending = false;
+  // engine.init: slices of partitioned parameters (until Stage3 takes them), what it measured.
+  std::shared_ptr<zero::InitShards> init_shards;
+  zero::InitReport init_report;
+  bool init_done = false;
 };
 
 namespace {
@@ -149,11 +154,40 @@ void Engine::init() {
 
 Communicator& Engine::comm() { return device_.is_cuda() ? runtime_->cuda_comm() : runtime_->comm(); }
 
+Engine::InitScope::InitScope(Engine* e) : e_(e) {
+  const auto& z = e->config_.zero;
+  e->state_->init_done = false;
+  ctx_ = std::make_unique<zero::InitContext>(e->comm(), z.stage == 3 && z.zero3_init_flag);
+}
+
+Engine::InitScope::~InitScope() = default;
+
+void Engine::InitScope::finish(torch::nn::Module& model) {
+  auto shards = ctx_->finish(model, &e_->state_->init_report);
+  ctx_.reset();
+  if (!shards->empty()) {
+    if (e_->state_->init_shards && !e_->state_->init_shards->empty()) {
+      throw Error("engine.init: one engine trains one model, and a partitioned one was built already");
+    }
+    e_->state_->init_shards = std::move(shards);
+  }
+  e_->state_->init_done = true;
+}
+
 void Engine::prepare_module(std::shared_ptr<torch::nn::Module> module) {
   if (!module) throw Error("engine.prepare: the model is empty");
   if (state_->module && state_->module != module) throw Error("engine.prepare: one engine trains one model");
   if (state_->zero) throw Error("engine.prepare: the model was already prepared with its optimizer");
-  module->to(device_);
+  const auto& shards = state_->init_shards;
+  if (shards && !shards->empty()) {
+    // Built partitioned: the slices reach the device when stage 3 takes them.
+    c10::NoGradGuard no_grad;
+    for (auto& p : module->parameters(true))
+      if (!shards->contains(p)) p.set_data(p.to(device_));
+    for (auto& b : module->buffers(true)) b.set_data(b.to(device_));
+  } else {
+    module->to(device_);
+  }
   state_->module = std::move(module);
 }
 
@@ -285,7 +319,10 @@ void Engine::build_zero() {
     o3.persistence_threshold = config_.zero.stage3_param_persistence_threshold.value;
     o3.max_live_elems = config_.zero.stage3_max_live_parameters;
     o3.prefetch = o3.prefetch_elems > 0;
-    state_->zero = std::make_unique<zero::Stage3>(c, module, std::move(groups[0].optimizer), o3);
+    o3.max_reuse_elems = config_.zero.stage3_max_reuse_distance;
+    o3.device = device_;
+    state_->zero = std::make_unique<zero::Stage3>(c, module, std::move(groups[0].optimizer), o3, state_->init_shards);
+    state_->init_shards.reset();
     state_->config_schedule = optim::make_schedule(config_.scheduler, state_->base_lrs.at(0));
     return;
   }
@@ -587,9 +624,9 @@ void Engine::reset_peak_memory() {
   if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) s3->reset_peak();
 }
 
-std::pair<int64_t, int64_t> Engine::prefetch_counts() const {
-  if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) return {s3->prefetched(), s3->on_demand()};
-  return {0, 0};
+Engine::FetchCounts Engine::fetch_counts() const {
+  if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) return {s3->gathers(), s3->prefetched(), s3->on_demand()};
+  return {};
 }
 
 int Engine::zero_stage() const { return static_cast<int>(config_.zero.stage); }
@@ -603,6 +640,11 @@ MemoryReport Engine::memory() const {
     m.master = b.master;
     m.optimizer_states = b.optimizer;
     m.workspace = b.workspace;
+  }
+  if (state_->init_done) {
+    m.construction_peak = state_->init_report.peak;
+    m.construction_bound = state_->init_report.partitioned ? state_->init_report.bound()
+                                                           : state_->init_report.model_bytes;
   }
   if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) {
     m.frozen_params = s3->frozen_bytes();

@@ -46,6 +46,9 @@ namespace zeal {
 class Runtime;
 class Communicator;
 class Engine;
+namespace zero {
+class InitContext;
+}
 
 // The optimizer after prepare: its step is ZeRO's; hyperparameters and learning rates are read
 // from the LibTorch optimizer it came from (so LibTorch LR schedulers keep working on it).
@@ -100,6 +103,27 @@ class Engine {
       return std::get<0>(std::move(prepared));
     } else {
       return prepared;
+    }
+  }
+
+  // Builds the model: M(args...) for a ModuleHolder M (returns M), std::make_shared<M>(args...)
+  // for a Module M. In stage 3 with zero_optimization.zero3_init_flag (on more than one rank) it is
+  // built partitioned: each zeal::Sharded member keeps only this rank's slice of its parameters as
+  // soon as its block exists, so the whole model never exists on one rank, and every rank builds
+  // with rank 0's random state (the values one process seeded like rank 0 would build). Such a
+  // model must then be prepared with its optimizer before any use; read or change its values under
+  // engine.gathered(). Collective. memory().construction_peak tells what construction held.
+  template <class M, class... Args>
+  auto init(Args&&... args) {
+    InitScope scope(this);
+    if constexpr (ModuleHolderLike<M>) {
+      M model(std::forward<Args>(args)...);
+      scope.finish(*model.ptr());
+      return model;
+    } else {
+      auto model = std::make_shared<M>(std::forward<Args>(args)...);
+      scope.finish(*model);
+      return model;
     }
   }
 
@@ -214,10 +238,14 @@ class Engine {
   Gathered gathered(std::vector<at::Tensor> params = {}, int modifier_rank = -1);
 
   at::Device device() const { return device_; }
-  // Stage 3: restart the gathered-bytes peak of memory(); how many unit all-gathers prefetch
-  // issued and how often the recorded order did not match (fetched on demand, traced again).
+  // Stage 3: restart the gathered-bytes peak of memory(); how many unit gathers there were in
+  // all, how many of them prefetch issued, and how often the recorded order did not match
+  // (fetched on demand, traced again).
   void reset_peak_memory();
-  std::pair<int64_t, int64_t> prefetch_counts() const;
+  struct FetchCounts {
+    int64_t gathers = 0, prefetched = 0, retraced = 0;
+  };
+  FetchCounts fetch_counts() const;
   int zero_stage() const;
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   template <class M>
@@ -265,6 +293,17 @@ class Engine {
 
   void init();
   Communicator& comm();
+  // engine.init's context: open while the model is built.
+  class InitScope {
+   public:
+    explicit InitScope(Engine* e);
+    ~InitScope();
+    void finish(torch::nn::Module& model);
+
+   private:
+    Engine* e_;
+    std::unique_ptr<zero::InitContext> ctx_;
+  };
   void prepare_module(std::shared_ptr<torch::nn::Module> module);
   void prepare_optimizer(torch::optim::Optimizer* optimizer);
   int add_scheduler(torch::optim::LRScheduler* torch_scheduler, std::shared_ptr<optim::LrSchedule> schedule);

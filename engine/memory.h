@@ -19,6 +19,9 @@ struct MemoryReport {
   // the last engine.reset_peak_memory(), and the bound the fetch coordinator keeps to:
   // stage3_max_live_parameters + the largest unit + the persistent units.
   int64_t gathered = 0, gathered_peak = 0, gathered_bound = 0;
+  // engine.init: the most CPU memory construction held at once, and what it may hold (stage 3
+  // partitioned: the largest Sharded member + the root's parameters and buffers + the slices kept).
+  int64_t construction_peak = 0, construction_bound = 0;
   int64_t model_states() const { return params + grads + master + optimizer_states; }
   int64_t total() const { return model_states() + frozen_params + buffers + workspace; }
   // "params 1.2 MiB, grads …" on one line.

@@ -12,7 +12,9 @@
 // with autograd recording, marks the output so the block is gathered again just before its own
 // backward, and releases the parameters. Gradients are reduce-scattered into their owners as soon
 // as the block's backward has produced all of them. Parameters outside every Sharded member form
-// the root unit, which stays gathered.
+// the root unit, which stays gathered (as do parameters a Sharded member shares with the root, such
+// as an LM head tied to the embedding). Under engine.init<M>() each Sharded member is partitioned
+// as soon as its block is built.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -38,6 +40,8 @@ class ShardedBase : public torch::nn::Module {
  protected:
   // Gathers, runs `fn`, marks its output for the pre-backward gather, releases.
   at::Tensor around(const std::function<at::Tensor()>& fn);
+  // Called once the block exists: under engine.init it is partitioned right away.
+  void constructed();
 
  private:
   zero::Unit* unit_ = nullptr;
@@ -49,6 +53,7 @@ class ShardedImpl : public ShardedBase {
   template <class... Args>
   explicit ShardedImpl(Args&&... args) : inner(std::forward<Args>(args)...) {
     register_module("block", inner.ptr());
+    constructed();
   }
   // Forwards to the block's forward; the block's output must be one tensor.
   template <class... Args>

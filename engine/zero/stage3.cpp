@@ -16,6 +16,7 @@
 #include <iostream>
 #include <map>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <fmt/format.h>
 
@@ -44,6 +45,14 @@ void alloc_storage(const at::Tensor& t) {
   s->set_nbytes(bytes);
 }
 
+
+// Parameters reachable from `m` without entering a Sharded member.
+void root_parameters(torch::nn::Module& m, std::unordered_set<const void*>& out) {
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) out.insert(p.value().unsafeGetTensorImpl());
+  for (const auto& child : m.children()) {
+    if (!dynamic_cast<ShardedBase*>(child.get())) root_parameters(*child, out);
+  }
+}
 
 // Identity whose backward runs just before the unit's own backward: the point to gather it again.
 struct PreBackward : public torch::autograd::Function<PreBackward> {
@@ -112,6 +121,7 @@ void Unit::gather(bool wait) {
       }
     }
     gathered_ = true;
+    ++owner_.gathers_;
     owner_.gathered_now_ += gathered_bytes();
     owner_.gathered_peak_ = std::max(owner_.gathered_peak_, owner_.gathered_now_);
   }
@@ -142,7 +152,7 @@ void Unit::fetch() {
 }
 
 void Unit::after_forward() {
-  if (!in_backward_) release();
+  if (!in_backward_ && !owner_.reused_soon(*this)) release();
 }
 
 at::Tensor Unit::mark_for_backward(const at::Tensor& out) {
@@ -211,7 +221,7 @@ namespace zero {
 // --- Stage3 -------------------------------------------------------------------------------------
 
 Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<optim::Optimizer> optimizer,
-               const Stage3Options& options)
+               const Stage3Options& options, std::shared_ptr<InitShards> init)
     : Sharding(comm), opts_(options) {
   c10::NoGradGuard no_grad;
   // Units: the root, then every Sharded member in the model's (pre-)order.
@@ -230,6 +240,10 @@ Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<opt
   }
   // Each parameter belongs to the innermost Sharded member holding it; one held by two members
   // neither of which contains the other (tied across units) is refused.
+  // A parameter the root uses directly as well (an LM head tied to the embedding) stays in the
+  // root: the root runs outside every unit's forward.
+  std::unordered_set<const void*> in_root;
+  root_parameters(model, in_root);
   std::unordered_map<const void*, int> owner;
   std::vector<std::vector<int>> inside(sharded.size());  // Sharded members nested in each
   for (size_t u = 0; u < sharded.size(); ++u) {
@@ -242,7 +256,7 @@ Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<opt
     for (const auto& item : sharded[u]->named_parameters(true)) {
       const void* key = item.value().unsafeGetTensorImpl();
       auto it = owner.find(key);
-      if (it != owner.end()) {
+      if (it != owner.end() && !in_root.count(key)) {
         const int prev = it->second - 1;
         const bool nested = std::find(inside[prev].begin(), inside[prev].end(), static_cast<int>(u)) != inside[prev].end();
         if (!nested) {
@@ -254,16 +268,24 @@ Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<opt
       owner[key] = static_cast<int>(u) + 1;
     }
   }
+  std::unordered_set<const void*> placed;  // a parameter registered under two names goes in once
   for (const auto& item : model.named_parameters(true)) {
-    auto it = owner.find(item.value().unsafeGetTensorImpl());
-    Unit& u = *units_[it == owner.end() ? 0 : it->second];
+    const void* key = item.value().unsafeGetTensorImpl();
+    if (!placed.insert(key).second) continue;
+    auto it = owner.find(key);
+    Unit& u = *units_[it == owner.end() || in_root.count(key) ? 0 : it->second];
     Unit::Part& part = item.value().requires_grad() ? u.train_ : u.frozen_;
     part.params.push_back(item.value());
     part.names.push_back(item.key());
   }
-  // Shards, master weights, gradient shards.
+  // Shards, master weights, gradient shards; one unit whole at a time (parameters partitioned by
+  // engine.init are all-gathered just before their unit is built).
   std::vector<at::Tensor> masters;
   for (auto& u : units_) {
+    if (init && !init->empty()) {
+      for (Unit::Part* part : {&u->train_, &u->frozen_})
+        for (auto& p : part->params) init->materialize(p, comm_, opts_.device);
+    }
     at::Tensor master;
     u->build(u->train_, true, &master);
     u->build(u->frozen_, false, nullptr);
@@ -277,8 +299,9 @@ Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<opt
     if (u->persistent_) persistent_bytes_ += u->gathered_bytes();
     u->gathered_ = true;
     gathered_now_ += u->gathered_bytes();
+    gathered_peak_ = std::max(gathered_peak_, gathered_now_);
+    u->release();
   }
-  gathered_peak_ = gathered_now_;
   at::Tensor master = masters.empty() ? at::empty({0}, at::kFloat) : at::cat(masters);
   optimizer->allocate_state(master);
   std::vector<ShardStep::Piece> pieces;
@@ -286,7 +309,6 @@ Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<opt
     if (u->train_.layout) pieces.push_back({u->master_offset_, u->grad_shard_, u->train_.shard});
   }
   step_ = ShardStep(std::move(master), std::move(optimizer), std::move(pieces));
-  for (auto& u : units_) u->release();
   gathered_peak_ = gathered_now_;
 
   // Gradient arrival, per trainable parameter.
@@ -350,6 +372,23 @@ void Stage3::note_fetch(Unit& u) {
     ++prefetched_;
     budget -= v.numel();
   }
+}
+
+// The recorded order fetches `u` again after fewer than stage3_max_reuse_distance elements of other
+// units' fetches (the last block's forward is followed by its own backward), and keeping it leaves the
+// gathered units (persistent ones aside) within stage3_max_live_parameters.
+bool Stage3::reused_soon(const Unit& u) const {
+  if (!opts_.prefetch || !trace_valid_ || !at::GradMode::is_enabled() || u.persistent_) return false;
+  const int64_t elem = at::elementSize(opts_.compute_dtype);
+  if (gathered_now_ - persistent_bytes_ > opts_.max_live_elems * elem) return false;
+  int64_t distance = 0;
+  for (size_t k = trace_pos_; k < trace_.size(); ++k) {
+    const Unit& v = *units_[trace_[k]];
+    if (&v == &u) return distance < opts_.max_reuse_elems;  // 0: never kept
+    if (!v.persistent_) distance += v.numel();
+    if (distance >= opts_.max_reuse_elems) return false;
+  }
+  return false;
 }
 
 void Stage3::release_idle_frozen(Unit* except) {

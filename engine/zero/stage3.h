@@ -31,6 +31,7 @@
 
 #include "engine/comm/communicator.h"
 #include "engine/optim/optimizer.h"
+#include "engine/zero/init.h"
 #include "engine/zero/layout.h"
 #include "engine/zero/shard_step.h"
 #include "engine/zero/zero_optimizer.h"
@@ -52,7 +53,12 @@ struct Stage3Options {
   int64_t max_live_elems = 1'000'000'000;     // stage3_max_live_parameters
   int64_t persistence_threshold = 100'000;    // units this small stay gathered
   bool prefetch = true;
+  // Keep a unit gathered after its forward when the recorded order uses it again after fewer than
+  // this many elements of other units' fetches (stage3_max_reuse_distance; 0: never), within
+  // max_live_elems.
+  int64_t max_reuse_elems = 1'000'000'000;
   int64_t align = 16;
+  at::Device device = at::kCPU;
 };
 
 class Unit {
@@ -109,9 +115,10 @@ class Unit {
 class Stage3 final : public Sharding {
  public:
   // Units are the Sharded members of `model` plus the root. `optimizer` is used for every
-  // trainable parameter (one parameter group). Rank 0's values are broadcast first.
+  // trainable parameter (one parameter group). Rank 0's values are broadcast first. Parameters
+  // partitioned by engine.init are taken from `init` one unit at a time.
   Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<optim::Optimizer> optimizer,
-         const Stage3Options& options);
+         const Stage3Options& options, std::shared_ptr<InitShards> init = nullptr);
   ~Stage3() override;
 
   void begin_micro_step(bool sync) override;
@@ -143,6 +150,7 @@ class Stage3 final : public Sharding {
   const Stage3Options& options() const { return opts_; }
   // How many all-gathers were issued by prefetch and how many fetches had to wait on demand.
   int64_t prefetched() const { return prefetched_; }
+  int64_t gathers() const { return gathers_; }
   int64_t on_demand() const { return on_demand_; }
 
  protected:
@@ -155,6 +163,7 @@ class Stage3 final : public Sharding {
   friend class Unit;
   void note_fetch(Unit& u);  // trace and prefetch
   void release_idle_frozen(Unit* except);
+  bool reused_soon(const Unit& u) const;  // stage3_max_reuse_distance
   void launch_ready_reductions();
 
   Stage3Options opts_;
@@ -170,7 +179,7 @@ class Stage3 final : public Sharding {
   std::vector<int> trace_, recording_;
   size_t trace_pos_ = 0;
   bool trace_valid_ = false;
-  int64_t prefetched_ = 0, on_demand_ = 0;
+  int64_t prefetched_ = 0, on_demand_ = 0, gathers_ = 0;
 };
 
 }  // namespace zero

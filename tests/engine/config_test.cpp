@@ -53,7 +53,7 @@ TEST(Config, EveryShippedConfigLoadsAndValidates) {
     EXPECT_NO_THROW(c.validate());
     ++count;
   }
-  EXPECT_EQ(count, 7);
+  EXPECT_EQ(count, 8);
 }
 
 TEST(Config, ReferenceCopiesAreTheSharedFilesByteForByte) {

@@ -42,6 +42,7 @@ struct RunSpec {
   int64_t persistence = 0;      // stage3_param_persistence_threshold
   int64_t prefetch = 50'000'000;  // stage3_prefetch_bucket_size (0: no prefetch)
   int64_t max_live = 1'000'000'000;
+  bool init = false;  // build the model with engine.init (zero3_init_flag)
   uint64_t seed = 7;
   // fp16 loss scaling
   int64_t initial_scale_power = 16, loss_scale_window = 1000, hysteresis = 2;
@@ -106,6 +107,7 @@ inline zeal::Config make_config(const RunSpec& s) {
   c.zero.stage3_param_persistence_threshold = {s.persistence, false};
   c.zero.stage3_prefetch_bucket_size = {s.prefetch, false};
   c.zero.stage3_max_live_parameters = s.max_live;
+  c.zero.zero3_init_flag = s.init;
   return c;
 }
 
@@ -118,9 +120,9 @@ struct Setup {
   std::unique_ptr<torch::optim::StepLR> step_lr;
 };
 
-inline Setup make_setup(const RunSpec& s) {
+inline Setup make_setup(const RunSpec& s, const std::function<TinyGpt()>& build = {}) {
   at::manual_seed(s.seed);
-  Setup u{TinyGpt(model_options()), {}, nullptr, nullptr};
+  Setup u{build ? build() : TinyGpt(model_options()), {}, nullptr, nullptr};
   if (s.freeze_embeddings) {
     u.model->wte->weight.set_requires_grad(false);
     u.model->wpe->weight.set_requires_grad(false);
@@ -146,7 +148,7 @@ using LossHook = std::function<at::Tensor(zeal::Engine&, int, int, at::Tensor)>;
 
 inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& dir, const LossHook& hook) {
   zeal::Engine engine(make_config(s), rt);
-  Setup u = make_setup(s);
+  Setup u = make_setup(s, [&] { return s.init ? engine.init<TinyGpt>(model_options()) : TinyGpt(model_options()); });
   auto [m, o] = engine.prepare(u.model, *u.opt);
   auto sched = engine.prepare(*u.step_lr);
   const int64_t per_step = s.micro_batch * s.world * s.accumulation;

@@ -121,7 +121,7 @@ at::Tensor train_flip(int world, int stage, int64_t max_live, const std::string&
         const auto mem = engine.memory();
         auto g = engine.gathered();
         write_tensor(dir + "/params_" + std::to_string(engine.process_index()), flat_params(*m));
-        const auto [pre, demand] = engine.prefetch_counts();
+        const auto [gathers, pre, demand] = engine.fetch_counts();
         write_tensor(dir + "/stats_" + std::to_string(engine.process_index()),
                      at::tensor(std::vector<double>{peak, double(mem.gathered_bound), double(pre), double(demand),
                                                     double(mem.gathered), peak_twice},
@@ -310,4 +310,212 @@ TEST(Stage3, ParameterTiedAcrossUnitsIsRefused) {
   EXPECT_NE(msg.find("'a'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'b'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("tied"), std::string::npos) << msg;
+}
+
+// engine.init with zero3_init_flag: each block keeps only this rank's slice as soon as it exists.
+// Ranks are seeded differently; the values are rank 0's, i.e. those of one process seeded like
+// rank 0, bit for bit. Construction held at most the largest block + the root + the slices (the
+// bound is computed here from the reference model), which is well under the whole model.
+TEST(Stage3, InitBuildsPartitionedWithOneProcessValues) {
+  const int world = 3;
+  const TinyGptOptions opts{37, 32, 2, 6, 8, 128};
+  const std::string dir = temp_dir("init");
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Config c = config(3);
+        c.zero.zero3_init_flag = true;
+        zeal::Engine engine(c, rt);
+        at::manual_seed(engine.process_index() == 0 ? 11 : 100 + engine.process_index());
+        TinyGpt model = engine.init<TinyGpt>(opts);
+        double held = 0;  // parameter storage this rank holds between init and prepare
+        for (auto& p : model->parameters()) held += static_cast<double>(p.storage().nbytes());
+        const auto mem = engine.memory();
+        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+        auto [m, o] = engine.prepare(model, opt);
+        auto g = engine.gathered();
+        const std::string me = std::to_string(engine.process_index());
+        write_tensor(dir + "/params_" + me, flat_params(*m));
+        write_tensor(dir + "/stats_" + me,
+                     at::tensor(std::vector<double>{double(mem.construction_peak), double(mem.construction_bound),
+                                                    held},
+                                at::kDouble));
+      },
+      world);
+  ASSERT_EQ(zeal::describe_failures(results), "");
+  at::manual_seed(11);
+  TinyGpt ref(opts);
+  const at::Tensor want = flat_params(*ref);
+  int64_t whole = 0, block = 0, slices = 0;
+  for (auto& p : ref->parameters()) whole += p.nbytes();
+  for (auto& p : ref->blocks[0]->parameters()) {
+    block += p.nbytes();
+    slices += opts.layers * ((p.numel() + world - 1) / world) * 4;
+  }
+  const int64_t root = whole - opts.layers * block;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(at::equal(read_tensor(dir + "/params_" + std::to_string(r)), want)) << "rank " << r;
+    const at::Tensor st = read_tensor(dir + "/stats_" + std::to_string(r));
+    const double peak = st[0].item<double>(), bound = st[1].item<double>(), held = st[2].item<double>();
+    if (r == 0) {
+      std::printf("[ metric ] world %d: construction peak %.0f B, bound %.0f B (largest block %lld + root %lld + "
+                  "slices %lld), whole model %lld B\n",
+                  world, peak, bound, (long long)block, (long long)root, (long long)slices, (long long)whole);
+    }
+    EXPECT_EQ(bound, double(block + root + slices)) << "rank " << r;
+    EXPECT_LE(peak, bound) << "rank " << r;
+    EXPECT_GT(peak, double(block)) << "rank " << r << ": construction was measured";
+    EXPECT_LT(bound, 0.6 * double(whole));
+    EXPECT_EQ(held, double(root)) << "rank " << r << ": only the root's parameters exist whole before prepare";
+  }
+}
+
+// A model built by engine.init trains like stage 0 built normally, from the same initial values.
+TEST(Stage3, InitTrainsLikeStageZero) {
+  RunSpec s;
+  s.world = 3;
+  s.accumulation = 2;
+  s.steps = 5;
+  const RunResult zero = run_engine(s, "init_stage0");
+  s.stage = 3;
+  s.init = true;
+  const RunResult three = run_engine(s, "init_stage3");
+  EXPECT_TRUE(at::equal(three.trajectory[0][0], zero.trajectory[0][0])) << "initial values differ";
+  const double err = rel_all(three.params[0], zero.params[0]);
+  std::printf("[ metric ] world 3, built by engine.init: stage 3 vs stage 0 %.3g\n", err);
+  EXPECT_LE(err, 1e-6);
+}
+
+namespace {
+// An LM head inside a unit tied to the root's embedding: the shared matrix stays in the root.
+struct HeadImpl : torch::nn::Module {
+  explicit HeadImpl(at::Tensor w) : weight(register_parameter("weight", std::move(w))) {}
+  at::Tensor forward(const at::Tensor& h) { return at::matmul(h, weight.t()); }
+  at::Tensor weight;
+};
+TORCH_MODULE(Head);
+
+struct TiedHeadImpl : torch::nn::Module {
+  TiedHeadImpl() {
+    wte = register_module("wte", torch::nn::Embedding(11, 16));
+    mix = register_module("mix", zeal::Sharded<torch::nn::Linear>(16, 16));
+    head = register_module("head", zeal::Sharded<Head>(wte->weight));
+  }
+  at::Tensor forward(const at::Tensor& idx) { return head->forward(at::tanh(mix->forward(wte->forward(idx)))); }
+  torch::nn::Embedding wte{nullptr};
+  zeal::Sharded<torch::nn::Linear> mix{nullptr};
+  zeal::Sharded<Head> head{nullptr};
+};
+TORCH_MODULE(TiedHead);
+
+at::Tensor train_tied_head(int world, int stage, const std::string& name) {
+  const std::string dir = temp_dir(name);
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(config(stage), rt);
+        at::manual_seed(5);
+        TiedHead model;
+        std::vector<at::Tensor> params;  // the tied matrix once
+        for (auto& p : model->parameters()) {
+          bool seen = false;
+          for (auto& q : params) seen = seen || q.is_same(p);
+          if (!seen) params.push_back(p);
+        }
+        torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2));
+        auto [m, o] = engine.prepare(model, opt);
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
+        at::Tensor idx = at::randint(0, 11, {4 * world * 3, 6}, gen);
+        for (int step = 0; step < 4; ++step) {
+          at::Tensor x = idx.narrow(0, (step * world + engine.process_index()) * 3, 3);
+          at::Tensor logits = m->forward(x.narrow(1, 0, 5));
+          at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, 11}), x.narrow(1, 1, 5).reshape({-1}));
+          engine.backward(loss);
+          o.step();
+          o.zero_grad();
+        }
+        auto g = engine.gathered();
+        write_tensor(dir + "/params_" + std::to_string(engine.process_index()), flat_params(*m));
+      },
+      world);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+  return read_tensor(dir + "/params_0");
+}
+}  // namespace
+
+// Tied across the root and a unit (embedding and LM head): the matrix stays in the root and gets
+// the sum of both uses' gradients, as in stage 0.
+TEST(Stage3, HeadTiedToRootEmbeddingMatchesStageZero) {
+  const at::Tensor zero = train_tied_head(2, 0, "tiedhead0");
+  const at::Tensor three = train_tied_head(2, 3, "tiedhead3");
+  const double err = rel_all(three, zero);
+  std::printf("[ metric ] head tied to the root's embedding: stage 3 vs stage 0 %.3g\n", err);
+  EXPECT_LE(err, 1e-6);
+}
+
+namespace {
+struct ChainImpl : torch::nn::Module {
+  ChainImpl() {
+    for (int i = 0; i < 3; ++i) units.push_back(register_module("u" + std::to_string(i), zeal::Sharded<torch::nn::Linear>(24, 24)));
+  }
+  at::Tensor forward(at::Tensor h) {
+    for (auto& u : units) h = at::tanh(u->forward(h));
+    return h.sum(1);
+  }
+  std::vector<zeal::Sharded<torch::nn::Linear>> units;
+};
+TORCH_MODULE(Chain);
+}  // namespace
+
+// stage3_max_reuse_distance: a unit whose next use in the recorded order comes after fewer than
+// that many elements of other units' fetches stays gathered (0: none does). Three units of 600 elements in a chain: the
+// last one's backward follows its forward directly (distance 0), the middle one's after 1200
+// elements (u2 forward and backward), the first one's after 2400. Per step from the second on:
+// distance 0 → 6 gathers, 600 → 5, 1e9 → 3; the values are the same bit for bit.
+TEST(Stage3, ReuseDistanceKeepsUnitsGathered) {
+  const int world = 2, steps = 4;
+  std::vector<at::Tensor> params;
+  for (int64_t reuse : {int64_t{0}, int64_t{600}, int64_t{1'000'000'000}}) {
+    const std::string dir = temp_dir("reuse");
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Config c = config(3);
+          c.zero.stage3_max_reuse_distance = reuse;
+          zeal::Engine engine(c, rt);
+          at::manual_seed(4);
+          Chain model;
+          torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+          auto [m, o] = engine.prepare(model, opt);
+          std::vector<double> per_step;
+          double peak = 0;
+          for (int step = 0; step < steps; ++step) {
+            const int64_t before = engine.fetch_counts().gathers;
+            engine.reset_peak_memory();
+            at::Tensor x = at::randn({3, 24}, at::make_generator<at::CPUGeneratorImpl>(step * world + engine.process_index()));
+            engine.backward(m->forward(x).pow(2).mean());
+            o.step();
+            o.zero_grad();
+            per_step.push_back(double(engine.fetch_counts().gathers - before));
+            peak = std::max(peak, double(engine.memory().gathered_peak));
+          }
+          per_step.push_back(peak);
+          per_step.push_back(double(engine.memory().gathered_bound));
+          auto g = engine.gathered();
+          const std::string me = std::to_string(engine.process_index());
+          write_tensor(dir + "/params_" + me, flat_params(*m));
+          write_tensor(dir + "/counts_" + me, at::tensor(per_step, at::kDouble));
+        },
+        world);
+    ASSERT_EQ(zeal::describe_failures(results), "");
+    const at::Tensor counts = read_tensor(dir + "/counts_0");
+    const int64_t want = reuse == 0 ? 6 : reuse == 600 ? 5 : 3;
+    std::printf("[ metric ] reuse distance %lld: gathers per step %.0f %.0f %.0f %.0f, peak %.0f B, bound %.0f B\n",
+                (long long)reuse, counts[0].item<double>(), counts[1].item<double>(), counts[2].item<double>(),
+                counts[3].item<double>(), counts[steps].item<double>(), counts[steps + 1].item<double>());
+    EXPECT_EQ(counts[0].item<double>(), 6) << "the first step records the order: nothing is kept";
+    for (int step = 1; step < steps; ++step) EXPECT_EQ(counts[step].item<double>(), want) << "reuse " << reuse;
+    EXPECT_LE(counts[steps].item<double>(), counts[steps + 1].item<double>());
+    params.push_back(read_tensor(dir + "/params_0"));
+    EXPECT_TRUE(at::equal(read_tensor(dir + "/params_1"), params.back()));
+  }
+  EXPECT_TRUE(at::equal(params[1], params[0]));
+  EXPECT_TRUE(at::equal(params[2], params[0]));
 }

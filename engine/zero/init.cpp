@@ -1,0 +1,204 @@
+#include "engine/zero/init.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <unordered_set>
+
+#include "engine/comm/communicator.h"
+#include "engine/zero/sharded.h"
+
+namespace zeal {
+namespace zero {
+namespace {
+
+thread_local InitContext* g_current = nullptr;
+
+// Counts the bytes of CPU memory allocated through it (and not yet freed) and the most at once.
+// Installed as LibTorch's CPU allocator while an InitContext is open; memory it handed out may be
+// freed later, so it lives as long as the process.
+class CountingAllocator final : public at::Allocator {
+ public:
+  at::DataPtr allocate(size_t n) override {
+    at::DataPtr inner = base_->allocate(n);
+    void* data = inner.get();
+    const at::Device device = inner.device();
+    auto* ctx = new Ctx{std::move(inner), static_cast<int64_t>(n), this};
+    const int64_t now = live_.fetch_add(ctx->n) + ctx->n;
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return {data, ctx, &Ctx::free, device};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+
+  void install() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (installs_++ == 0) {
+      base_ = c10::GetCPUAllocator();
+      c10::SetCPUAllocator(this, /*priority=*/255);
+    }
+    peak_ = live_.load();
+    start_ = live_.load();
+  }
+  void uninstall() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--installs_ == 0) c10::SetCPUAllocator(base_, 255);
+  }
+  int64_t peak_since_install() const { return peak_.load() - start_; }
+
+ private:
+  struct Ctx {
+    at::DataPtr inner;
+    int64_t n;
+    CountingAllocator* owner;
+    static void free(void* p) {
+      auto* c = static_cast<Ctx*>(p);
+      c->owner->live_.fetch_sub(c->n);
+      delete c;  // frees `inner` through the allocator that made it
+    }
+  };
+  std::mutex mu_;
+  int installs_ = 0;
+  at::Allocator* base_ = nullptr;
+  std::atomic<int64_t> live_{0}, peak_{0};
+  int64_t start_ = 0;
+};
+
+CountingAllocator& counting_allocator() {
+  static auto* a = new CountingAllocator();  // never destroyed: storages may outlive everything
+  return *a;
+}
+
+int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+
+// Parameters reachable from `m` without entering a Sharded member.
+void collect_root(torch::nn::Module& m, std::unordered_set<const void*>& out, int64_t& bytes) {
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    if (out.insert(p.value().unsafeGetTensorImpl()).second) bytes += bytes_of(p.value());
+  }
+  for (const auto& child : m.children()) {
+    if (dynamic_cast<ShardedBase*>(child.get())) continue;
+    collect_root(*child, out, bytes);
+  }
+}
+
+}  // namespace
+
+void InitShards::materialize(at::Tensor& p, Communicator& comm, at::Device device) {
+  auto it = slices_.find(p.unsafeGetTensorImpl());
+  if (it == slices_.end()) return;
+  c10::NoGradGuard no_grad;
+  const Slice& s = it->second;
+  at::Tensor slice = s.data.to(device);
+  at::Tensor full = at::empty({slice.numel() * comm.world_size()}, slice.options());
+  comm.all_gather(slice, full).wait();
+  p.set_data(full.narrow(0, 0, s.numel).view(p.sizes()));
+  slices_.erase(it);
+}
+
+int64_t InitShards::bytes() const {
+  int64_t n = 0;
+  for (const auto& [k, s] : slices_) n += bytes_of(s.data);
+  return n;
+}
+
+InitContext::InitContext(Communicator& comm, bool partition)
+    : comm_(comm), partition_(partition && comm.world_size() > 1), prev_(g_current) {
+  if (partition_) {
+    // Every rank builds with rank 0's generator state: the same values everywhere, those one
+    // process seeded like rank 0 builds.
+    auto gen = at::detail::getDefaultCPUGenerator();
+    at::Tensor state;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      state = gen.get_state();
+    }
+    comm_.broadcast(state, 0).wait();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+  counting_allocator().install();
+  tracking_ = true;
+  g_current = this;
+}
+
+InitContext::~InitContext() {
+  if (g_current == this) g_current = prev_;
+  if (tracking_) counting_allocator().uninstall();
+}
+
+InitContext* InitContext::current() { return g_current; }
+
+void InitContext::partition(ShardedBase& unit) {
+  ++units_;
+  c10::NoGradGuard no_grad;
+  const int world = comm_.world_size();
+  const int rank = comm_.rank();
+  int64_t bytes = 0;
+  for (const auto& item : unit.named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    const void* key = p.unsafeGetTensorImpl();
+    if (shards_->slices_.count(key)) continue;  // a nested unit's, already partitioned
+    bytes += bytes_of(p);
+    if (!partition_ || p.numel() == 0 || !p.device().is_cpu()) continue;
+    const int64_t per = (p.numel() + world - 1) / world;
+    at::Tensor flat = p.detach().reshape({-1});
+    at::Tensor slice = at::zeros({per}, p.options().requires_grad(false));
+    const int64_t begin = std::min<int64_t>(rank * per, p.numel());
+    const int64_t n = std::min<int64_t>(per, p.numel() - begin);
+    if (n > 0) slice.narrow(0, 0, n).copy_(flat.narrow(0, begin, n));
+    shards_->slices_[key] = {slice, p.numel()};
+    free_storage(p);
+  }
+  largest_unit_ = std::max(largest_unit_, bytes);
+}
+
+std::shared_ptr<InitShards> InitContext::finish(torch::nn::Module& model, InitReport* report) {
+  if (report) {
+    InitReport r;
+    r.partitioned = partition_;
+    r.units = units_;
+    r.peak = counting_allocator().peak_since_install();
+    std::unordered_set<const void*> root, seen;
+    collect_root(model, root, r.root_bytes);
+    for (const auto& p : model.parameters(true)) {
+      if (seen.insert(p.unsafeGetTensorImpl()).second) r.model_bytes += bytes_of(p);
+    }
+    for (const auto& b : model.buffers(true)) {
+      r.model_bytes += bytes_of(b);
+      r.root_bytes += bytes_of(b);
+    }
+    r.largest_unit = largest_unit_;
+    r.shard_bytes = shards_->bytes();
+    *report = r;
+  }
+  if (g_current == this) g_current = prev_;
+  if (tracking_) {
+    counting_allocator().uninstall();
+    tracking_ = false;
+  }
+  return std::move(shards_);
+}
+
+}  // namespace zero
+
+void ShardedBase::constructed() {
+  if (auto* c = zero::InitContext::current()) c->partition(*this);
+}
+
+}  // namespace zeal

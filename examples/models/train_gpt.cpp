@@ -1,0 +1,196 @@
+// Trains a GPT (examples/models/gpt.h) with zeal: the model is built with engine.init (partitioned
+// in stage 3 with zero3_init_flag), then the usual loop with gradient accumulation from the config.
+//
+//   zeal launch --config_file configs/zero3.yaml build/bin/train_gpt --model tiny --steps 200 \
+//       --seq_len 64 --micro_batch 8 --data README.md --log_jsonl train.jsonl
+//
+// --data: files of tokens. A file with llm.c's header (int32 magic 20240520, version 1, token
+// count, 1024 header bytes) holds uint16 GPT-2 tokens; any other file is read as bytes (tokens
+// 0-255, which every preset's vocabulary covers). Without --data the tokens are random (timing).
+// Each step every rank reads its own windows of seq_len + 1 tokens at positions drawn from --seed.
+// Rank 0 prints the loss, tokens per second and memory; --log_jsonl writes one JSON line per step.
+#include <torch/optim/adamw.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/error.h"
+#include "examples/models/gpt.h"
+
+namespace {
+
+std::vector<int64_t> read_tokens(const std::string& path, int64_t vocab) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw zeal::Error(fmt::format("--data: cannot open {}", path));
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<int64_t> out;
+  int32_t header[3] = {0, 0, 0};
+  if (bytes.size() >= 1024) std::memcpy(header, bytes.data(), sizeof header);
+  if (header[0] == 20240520) {
+    const size_t n = static_cast<size_t>(header[2]);
+    if (header[1] != 1 || bytes.size() < 1024 + 2 * n) {
+      throw zeal::Error(fmt::format("--data: {} has llm.c's magic but version {} and {} bytes for {} tokens", path,
+                                    header[1], bytes.size(), n));
+    }
+    out.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t t;
+      std::memcpy(&t, bytes.data() + 1024 + 2 * i, 2);
+      out[i] = t;
+    }
+  } else {
+    for (char c : bytes) out.push_back(static_cast<unsigned char>(c));
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i] >= vocab) {
+      throw zeal::Error(fmt::format("--data: token {} at position {} of {} is outside the model's vocabulary of {}",
+                                    out[i], i, path, vocab));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Train a GPT decoder with zeal"};
+  app.allow_extras();  // --config_file and the config override flags are the engine's
+  std::string preset = "tiny", log_jsonl;
+  std::vector<std::string> data;
+  int64_t steps = 100, seq_len = 64, micro_batch = 4, log_every = 10;
+  double lr = 3e-4, weight_decay = 0.1;
+  uint64_t seed = 1234;
+  std::string presets;
+  for (const auto& p : zeal::models::gpt_presets()) {
+    presets += fmt::format("{}{} ({:.0f} M)", presets.empty() ? "" : ", ", p.name, p.num_parameters() / 1e6);
+  }
+  app.add_option("--model", preset, "model preset: " + presets)->capture_default_str();
+  app.add_option("--steps", steps, "optimizer steps")->capture_default_str();
+  app.add_option("--seq_len", seq_len, "tokens per sample")->capture_default_str();
+  app.add_option("--micro_batch", micro_batch, "samples per rank per micro-step")->capture_default_str();
+  app.add_option("--data", data, "token files (llm.c .bin, or bytes); none: random tokens");
+  app.add_option("--log_jsonl", log_jsonl, "write one JSON line per step here (rank 0)");
+  app.add_option("--log_every", log_every, "steps between printed lines")->capture_default_str();
+  app.add_option("--lr", lr)->capture_default_str();
+  app.add_option("--weight_decay", weight_decay)->capture_default_str();
+  app.add_option("--seed", seed)->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  // What CLI11 left must be the engine's: --config_file or a config override flag.
+  for (const auto& extra : app.remaining()) {
+    if (extra.rfind("--", 0) != 0) continue;
+    const std::string name = extra.substr(2, extra.find('=') == std::string::npos ? std::string::npos : extra.find('=') - 2);
+    bool known = name == "config_file";
+    for (const auto& f : zeal::override_flags()) known = known || f.flag == name;
+    if (!known) {
+      std::cerr << "train_gpt: unknown flag " << extra << " (see --help; config keys go in --config_file)\n";
+      return 2;
+    }
+  }
+
+  try {
+    zeal::models::GptConfig cfg;
+    try {
+      cfg = zeal::models::gpt_preset(preset);
+    } catch (const std::invalid_argument& e) {
+      throw zeal::Error(fmt::format("--model: {}", e.what()));
+    }
+    if (seq_len < 1 || seq_len > cfg.context) {
+      throw zeal::Error(fmt::format("--seq_len {} must be in 1..{} (the {} preset's context)", seq_len, cfg.context,
+                                    cfg.name));
+    }
+    zeal::Engine engine(zeal::Config::from_env_or_file(argc, argv));
+    std::vector<int64_t> tokens;
+    for (const auto& path : data) {
+      auto t = read_tokens(path, cfg.vocab);
+      tokens.insert(tokens.end(), t.begin(), t.end());
+    }
+    if (!data.empty() && static_cast<int64_t>(tokens.size()) < seq_len + 2) {
+      throw zeal::Error(fmt::format("--data: {} tokens in all, fewer than --seq_len + 2 = {}", tokens.size(), seq_len + 2));
+    }
+    const at::Tensor stream = at::tensor(tokens, at::kLong);
+
+    at::manual_seed(seed);
+    auto model = engine.init<zeal::models::Gpt>(cfg);
+    const auto built = engine.memory();
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
+    auto [m, opt] = engine.prepare(model, optimizer);
+    const int64_t accum = engine.gradient_accumulation_steps();
+    const int world = engine.num_processes();
+    engine.print(fmt::format("zeal: {} ({:.1f} M parameters), {} ranks, ZeRO stage {}, {} x {} tokens per rank per "
+                             "micro-step, {} micro-steps per step",
+                             cfg.name, cfg.num_parameters() / 1e6, world, engine.zero_stage(), micro_batch, seq_len,
+                             accum));
+    if (built.construction_peak > 0) {
+      engine.print(fmt::format("zeal: construction held at most {} (bound {})", zeal::format_bytes(built.construction_peak),
+                               zeal::format_bytes(built.construction_bound)));
+    }
+    engine.print("zeal: per-rank memory: ", engine.memory().summary());
+
+    std::ofstream jsonl;
+    if (!log_jsonl.empty() && engine.is_main_process()) {
+      jsonl.open(log_jsonl);
+      if (!jsonl) throw zeal::Error(fmt::format("--log_jsonl: cannot write {}", log_jsonl));
+    }
+    const int64_t per_step = micro_batch * world * accum;
+    for (int64_t step = 0; step < steps; ++step) {
+      const auto t0 = std::chrono::steady_clock::now();
+      // This step's windows for every rank and micro-step, from the seed: rank r, micro-step k
+      // takes rows (k·world + r)·micro_batch onwards.
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1'000'003 + static_cast<uint64_t>(step));
+      at::Tensor batch;
+      if (stream.numel() > 0) {
+        at::Tensor starts = at::randint(0, stream.numel() - seq_len - 1, {per_step, 1}, gen);
+        batch = stream.index({starts + at::arange(seq_len + 1).unsqueeze(0)});
+      } else {
+        batch = at::randint(0, cfg.vocab, {per_step, seq_len + 1}, gen);
+      }
+      double loss_sum = 0;
+      for (int64_t k = 0; k < accum; ++k) {
+        auto guard = engine.accumulate(m);
+        at::Tensor rows = batch.narrow(0, (k * world + engine.process_index()) * micro_batch, micro_batch).to(engine.device());
+        at::Tensor loss;
+        {
+          auto ac = engine.autocast();
+          loss = m->loss(rows);
+        }
+        engine.backward(loss);
+        loss_sum += engine.reduce(loss.detach(), "mean").item<double>();
+        opt.step();
+        opt.zero_grad();
+      }
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double loss = loss_sum / static_cast<double>(accum);
+      const double tokens_per_s = static_cast<double>(per_step * seq_len) / seconds;
+      const auto mem = engine.memory();
+      if (jsonl.is_open()) {
+        jsonl << fmt::format("{{\"step\": {}, \"loss\": {:.6f}, \"grad_norm\": {:.6g}, \"step_s\": {:.4f}, "
+                             "\"tokens_per_s\": {:.1f}, \"skipped\": {}, \"model_state_bytes\": {}, "
+                             "\"gathered_peak_bytes\": {}}}\n",
+                             step, loss, engine.last_grad_norm(), seconds, tokens_per_s,
+                             engine.optimizer_step_was_skipped() ? "true" : "false", mem.model_states(),
+                             mem.gathered_peak);
+        jsonl.flush();
+      }
+      if (step % log_every == 0 || step + 1 == steps) {
+        engine.print(fmt::format("step {:>5}/{}: loss {:.4f}, {:.0f} tokens/s, {:.2f} s/step, model states {}{}",
+                                 step + 1, steps, loss, tokens_per_s, seconds, zeal::format_bytes(mem.model_states()),
+                                 engine.zero_stage() == 3
+                                     ? fmt::format(", gathered peak {}", zeal::format_bytes(mem.gathered_peak))
+                                     : ""));
+      }
+    }
+  } catch (const zeal::Error& e) {
+    std::cerr << "train_gpt: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# examples/models/train_gpt launched as the README shows: 2 ranks, configs/zero3.yaml with the
+# persistence threshold at 0 (every block gathered and released), the tiny preset on README.md's
+# bytes. The JSON log must have one line per step and the loss of the last 5 steps must be at least
+# 0.5 below the first 5 steps'. An unknown preset must fail naming --model and the known presets.
+set -euo pipefail
+zeal=$1 train_gpt=$2
+log=$(mktemp) config=$(mktemp --suffix=.yaml)
+trap 'rm -f "$log" "$config"' EXIT
+sed 's/stage3_param_persistence_threshold: .*/stage3_param_persistence_threshold: 0/' configs/zero3.yaml > "$config"
+"$zeal" launch --num_processes 2 "$train_gpt" --config_file "$config" --model tiny --steps 40 --seq_len 32 --micro_batch 8 \
+  --data README.md --log_every 10 --log_jsonl "$log"
+lines=$(wc -l < "$log")
+[ "$lines" -eq 40 ] || { echo "FAIL: $lines JSON lines for 40 steps" >&2; exit 1; }
+first=$(head -n 5 "$log" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END {print s/NR}')
+last=$(tail -n 5 "$log" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END {print s/NR}')
+awk -v a="$first" -v b="$last" 'BEGIN { exit !(b <= a - 0.5) }' ||
+  { echo "FAIL: loss went from $first to $last" >&2; exit 1; }
+grep -q '"gathered_peak_bytes": [1-9]' "$log" || { echo "FAIL: no gathered bytes logged" >&2; exit 1; }
+if out=$("$train_gpt" --model gpt5 2>&1); then
+  echo "FAIL: an unknown preset was accepted" >&2; exit 1
+fi
+printf '%s\n' "$out" | grep -q -- "--model: unknown model preset 'gpt5' (known: tiny, gpt2-small, gpt2-medium)" ||
+  { echo "FAIL: unexpected error: $out" >&2; exit 1; }
+if out=$("$train_gpt" --stage3_max_live 5 2>&1); then
+  echo "FAIL: an unknown flag was accepted" >&2; exit 1
+fi
+printf '%s\n' "$out" | grep -q -- "unknown flag --stage3_max_live" || { echo "FAIL: unexpected error: $out" >&2; exit 1; }
+echo "PASS: loss $first -> $last"
