@@ -9,6 +9,8 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
 #include <exception>
@@ -37,12 +39,42 @@ void free_storage(const at::Tensor& t) {
   s->set_nbytes(0);
 }
 
+// Gathered units and gradient staging buffers come and go every step. On the CPU, buffers of a
+// MiB and more are mapped directly: malloc would keep freed blocks under its (dynamic, up to 32 MiB)
+// mmap threshold in its heap, so releasing a unit would not lower the process's memory.
+constexpr size_t kMapBytes = size_t{1} << 20;
+
+struct Mapping {
+  void* p;
+  size_t n;
+  static void unmap(void* ctx) {
+    auto* m = static_cast<Mapping*>(ctx);
+    munmap(m->p, m->n);
+    delete m;
+  }
+};
+
+c10::DataPtr map_bytes(size_t bytes, at::Device device) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw Error(fmt::format("stage 3: cannot map {} bytes for a gathered unit", bytes));
+  return {p, new Mapping{p, bytes}, &Mapping::unmap, device};
+}
+
 void alloc_storage(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
   if (s->nbytes() == bytes) return;
-  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
+  s->set_data_ptr_noswap(t.device().is_cpu() && bytes >= kMapBytes ? map_bytes(bytes, t.device())
+                                                                   : s->allocator()->allocate(bytes));
   s->set_nbytes(bytes);
+}
+
+// Zeros, mapped on the CPU from a MiB up (fresh mappings are zero already).
+at::Tensor staging_zeros(int64_t n, const at::TensorOptions& o) {
+  const size_t bytes = static_cast<size_t>(n) * o.dtype().itemsize();
+  if (!o.device().is_cpu() || bytes < kMapBytes) return at::zeros({n}, o);
+  c10::Storage st(c10::Storage::use_byte_size_t(), bytes, map_bytes(bytes, o.device()), nullptr, false);
+  return at::empty({0}, o).set_(st, 0, {n}, {1});
 }
 
 
@@ -176,7 +208,7 @@ void Unit::on_grad_ready(int i) {
                             "per micro-step (add the losses first)",
                             train_.names[i], name_));
   }
-  if (!grad_staging_.defined()) grad_staging_ = at::zeros({train_.layout->padded_total()}, grad_shard_.options());
+  if (!grad_staging_.defined()) grad_staging_ = staging_zeros(train_.layout->padded_total(), grad_shard_.options());
   if (p.grad().defined()) {
     grad_staging_.narrow(0, train_.layout->offset(i), p.numel()).add_(p.grad().reshape({-1}));
     p.mutable_grad() = at::Tensor();
@@ -188,7 +220,7 @@ void Unit::reduce() {
   c10::NoGradGuard no_grad;
   reduced_ = true;
   if (!train_.layout) return;
-  if (!grad_staging_.defined()) grad_staging_ = at::zeros({train_.layout->padded_total()}, grad_shard_.options());
+  if (!grad_staging_.defined()) grad_staging_ = staging_zeros(train_.layout->padded_total(), grad_shard_.options());
   Communicator& comm = owner_.comm_;
   const FlatLayout& l = *train_.layout;
   at::Tensor mine = grad_staging_.narrow(0, l.shard_begin(comm.rank()), l.shard_size());
