@@ -1,8 +1,8 @@
 // Trains a GPT (examples/models/gpt.h) with zeal: the model is built with engine.init (partitioned
 // in stage 3 with zero3_init_flag), then the usual loop with gradient accumulation from the config.
 //
-//   zeal launch --config_file configs/zero3.yaml build/bin/train_gpt --model tiny --steps 200 \
-//       --seq_len 64 --micro_batch 8 --data README.md --log_jsonl train.jsonl
+//   zeal launch --config_file configs/zero3.yaml build/bin/train_gpt --model tiny --steps 200
+//       --seq_len 64 --micro_batch 8 --data README.md --log_jsonl train.jsonl   (one line)
 //
 // --data: files of tokens. A file with llm.c's header (int32 magic 20240520, version 1, token
 // count, 1024 header bytes) holds uint16 GPT-2 tokens; any other file is read as bytes (tokens

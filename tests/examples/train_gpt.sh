@@ -8,7 +8,7 @@ zeal=$1 train_gpt=$2
 log=$(mktemp) config=$(mktemp --suffix=.yaml)
 trap 'rm -f "$log" "$config"' EXIT
 sed 's/stage3_param_persistence_threshold: .*/stage3_param_persistence_threshold: 0/' configs/zero3.yaml > "$config"
-"$zeal" launch --num_processes 2 "$train_gpt" --config_file "$config" --model tiny --steps 40 --seq_len 32 --micro_batch 8 \
+"$zeal" launch --num_processes 2 --main_process_port 29533 "$train_gpt" --config_file "$config" --model tiny --steps 40 --seq_len 32 --micro_batch 8 \
   --data README.md --log_every 10 --log_jsonl "$log"
 lines=$(wc -l < "$log")
 [ "$lines" -eq 40 ] || { echo "FAIL: $lines JSON lines for 40 steps" >&2; exit 1; }
