@@ -80,28 +80,30 @@ CountingAllocator& counting_allocator() {
 
 int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
+void collect_root(torch::nn::Module& m, std::unordered_set<const void*>& out) {
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) out.insert(p.value().unsafeGetTensorImpl());
+  for (const auto& child : m.children()) {
+    if (!dynamic_cast<ShardedBase*>(child.get())) collect_root(*child, out);
+  }
+}
+
+}  // namespace
+
+std::unordered_set<const void*> root_parameters(torch::nn::Module& model) {
+  std::unordered_set<const void*> out;
+  collect_root(model, out);
+  return out;
+}
+
 void free_storage(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   s->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
   s->set_nbytes(0);
 }
 
-// Parameters reachable from `m` without entering a Sharded member.
-void collect_root(torch::nn::Module& m, std::unordered_set<const void*>& out, int64_t& bytes) {
-  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
-    if (out.insert(p.value().unsafeGetTensorImpl()).second) bytes += bytes_of(p.value());
-  }
-  for (const auto& child : m.children()) {
-    if (dynamic_cast<ShardedBase*>(child.get())) continue;
-    collect_root(*child, out, bytes);
-  }
-}
-
-}  // namespace
-
-void InitShards::materialize(at::Tensor& p, Communicator& comm, at::Device device) {
+bool InitShards::materialize(at::Tensor& p, Communicator& comm, at::Device device) {
   auto it = slices_.find(p.unsafeGetTensorImpl());
-  if (it == slices_.end()) return;
+  if (it == slices_.end()) return false;
   c10::NoGradGuard no_grad;
   const Slice& s = it->second;
   at::Tensor slice = s.data.to(device);
@@ -109,6 +111,7 @@ void InitShards::materialize(at::Tensor& p, Communicator& comm, at::Device devic
   comm.all_gather(slice, full).wait();
   p.set_data(full.narrow(0, 0, s.numel).view(p.sizes()));
   slices_.erase(it);
+  return true;
 }
 
 int64_t InitShards::bytes() const {
@@ -145,7 +148,6 @@ InitContext::~InitContext() {
 InitContext* InitContext::current() { return g_current; }
 
 void InitContext::partition(ShardedBase& unit) {
-  ++units_;
   c10::NoGradGuard no_grad;
   const int world = comm_.world_size();
   const int rank = comm_.rank();
@@ -172,12 +174,14 @@ std::shared_ptr<InitShards> InitContext::finish(torch::nn::Module& model, InitRe
   if (report) {
     InitReport r;
     r.partitioned = partition_;
-    r.units = units_;
     r.peak = counting_allocator().peak_since_install();
-    std::unordered_set<const void*> root, seen;
-    collect_root(model, root, r.root_bytes);
+    const auto root = root_parameters(model);
+    std::unordered_set<const void*> seen;
     for (const auto& p : model.parameters(true)) {
-      if (seen.insert(p.unsafeGetTensorImpl()).second) r.model_bytes += bytes_of(p);
+      const void* key = p.unsafeGetTensorImpl();
+      if (!seen.insert(key).second) continue;
+      r.model_bytes += bytes_of(p);
+      if (root.count(key)) r.root_bytes += bytes_of(p);
     }
     for (const auto& b : model.buffers(true)) {
       r.model_bytes += bytes_of(b);

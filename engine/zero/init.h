@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
-#include <vector>
+#include <unordered_set>
 
 namespace torch::nn {
 class Module;
@@ -26,6 +26,13 @@ class ShardedBase;
 
 namespace zero {
 
+// Parameters (by TensorImpl) reachable from `model` without entering a Sharded member: the root
+// unit's, including any a Sharded member shares with the root.
+std::unordered_set<const void*> root_parameters(torch::nn::Module& model);
+
+// Frees a tensor's storage, keeping its shape (released units, partitioned parameters).
+void free_storage(const at::Tensor& t);
+
 // The slices kept for partitioned parameters, by parameter.
 class InitShards {
  public:
@@ -35,9 +42,10 @@ class InitShards {
   };
   bool contains(const at::Tensor& p) const { return slices_.count(p.unsafeGetTensorImpl()) > 0; }
   bool empty() const { return slices_.empty(); }
-  // Gives `p` its full values again (all-gather of the slices, on `device`); a no-op for a
-  // parameter that was not partitioned. Collective: every rank calls it for the same parameters.
-  void materialize(at::Tensor& p, Communicator& comm, at::Device device);
+  // Gives `p` its full values again (all-gather of the slices, on `device`) and returns true; a
+  // no-op returning false for a parameter that was not partitioned. Collective: every rank calls
+  // it for the same parameters.
+  bool materialize(at::Tensor& p, Communicator& comm, at::Device device);
   int64_t bytes() const;
 
  private:
@@ -48,7 +56,6 @@ class InitShards {
 // What engine.init measured.
 struct InitReport {
   bool partitioned = false;
-  int units = 0;
   int64_t peak = 0;           // most bytes of CPU memory allocated during construction at once
   int64_t model_bytes = 0;    // all parameters and buffers, whole
   int64_t largest_unit = 0;   // the largest Sharded member's own parameters
@@ -78,7 +85,6 @@ class InitContext {
   Communicator& comm_;
   bool partition_;
   std::shared_ptr<InitShards> shards_ = std::make_shared<InitShards>();
-  int units_ = 0;
   int64_t largest_unit_ = 0;
   InitContext* prev_;
   bool tracking_ = false;

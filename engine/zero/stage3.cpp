@@ -31,14 +31,8 @@ namespace zeal {
 namespace zero {
 namespace {
 
-// The storage of a unit's full buffer exists only while the unit is gathered; the parameter views
-// into it keep their shapes throughout.
-void free_storage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  s->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
-  s->set_nbytes(0);
-}
-
+// The storage of a unit's full buffer exists only while the unit is gathered (free_storage on
+// release, alloc_storage on gather); the parameter views into it keep their shapes throughout.
 // Gathered units and gradient staging buffers come and go every step. On the CPU, buffers of a
 // MiB and more are mapped directly: malloc would keep freed blocks under its (dynamic, up to 32 MiB)
 // mmap threshold in its heap, so releasing a unit would not lower the process's memory.
@@ -77,15 +71,6 @@ at::Tensor staging_zeros(int64_t n, const at::TensorOptions& o) {
   return at::empty({0}, o).set_(st, 0, {n}, {1});
 }
 
-
-// Parameters reachable from `m` without entering a Sharded member.
-void root_parameters(torch::nn::Module& m, std::unordered_set<const void*>& out) {
-  for (const auto& p : m.named_parameters(/*recurse=*/false)) out.insert(p.value().unsafeGetTensorImpl());
-  for (const auto& child : m.children()) {
-    if (!dynamic_cast<ShardedBase*>(child.get())) root_parameters(*child, out);
-  }
-}
-
 // Identity whose backward runs just before the unit's own backward: the point to gather it again.
 struct PreBackward : public torch::autograd::Function<PreBackward> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t unit) {
@@ -109,9 +94,10 @@ int64_t Unit::Part::bytes() const { return full.defined() ? full.numel() * full.
 
 int64_t Unit::gathered_bytes() const { return train_.bytes() + frozen_.bytes(); }
 
-// Lays the part's parameters end to end, takes rank 0's values, keeps this rank's shard (and, for
-// trainable parameters, its fp32 master) and points the parameters into the full buffer.
-void Unit::build(Part& part, bool trainable, at::Tensor* master_out) {
+// Lays the part's parameters end to end, takes rank 0's values (unless every rank has them
+// already), keeps this rank's shard (and, for trainable parameters, its fp32 master) and points the
+// parameters into the full buffer.
+void Unit::build(Part& part, bool trainable, at::Tensor* master_out, bool same_everywhere) {
   if (part.params.empty()) return;
   for (const auto& p : part.params) numel_ += p.numel();
   Communicator& comm = owner_.comm_;
@@ -125,7 +111,7 @@ void Unit::build(Part& part, bool trainable, at::Tensor* master_out) {
   for (size_t i = 0; i < part.params.size(); ++i) {
     init.narrow(0, l.offset(static_cast<int>(i)), numels[i]).copy_(part.params[i].detach().reshape({-1}));
   }
-  if (comm.world_size() > 1) comm.broadcast(init, 0).wait();
+  if (comm.world_size() > 1 && !same_everywhere) comm.broadcast(init, 0).wait();
   at::Tensor mine = init.narrow(0, l.shard_begin(comm.rank()), l.shard_size());
   if (trainable && master_out) *master_out = mine.clone();
   const at::ScalarType dtype = trainable || at::isFloatingType(part.params[0].scalar_type())
@@ -274,8 +260,7 @@ Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<opt
   // neither of which contains the other (tied across units) is refused.
   // A parameter the root uses directly as well (an LM head tied to the embedding) stays in the
   // root: the root runs outside every unit's forward.
-  std::unordered_set<const void*> in_root;
-  root_parameters(model, in_root);
+  const std::unordered_set<const void*> in_root = root_parameters(model);
   std::unordered_map<const void*, int> owner;
   std::vector<std::vector<int>> inside(sharded.size());  // Sharded members nested in each
   for (size_t u = 0; u < sharded.size(); ++u) {
@@ -314,13 +299,17 @@ Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::unique_ptr<opt
   // engine.init are all-gathered just before their unit is built).
   std::vector<at::Tensor> masters;
   for (auto& u : units_) {
-    if (init && !init->empty()) {
-      for (Unit::Part* part : {&u->train_, &u->frozen_})
-        for (auto& p : part->params) init->materialize(p, comm_, opts_.device);
+    // A part all of whose parameters were gathered from init slices needs no broadcast.
+    bool from_init[2] = {false, false};
+    for (int k = 0; k < 2; ++k) {
+      Unit::Part& part = k == 0 ? u->train_ : u->frozen_;
+      if (!init || init->empty() || part.params.empty()) continue;
+      from_init[k] = true;
+      for (auto& p : part.params) from_init[k] = init->materialize(p, comm_, opts_.device) && from_init[k];
     }
     at::Tensor master;
-    u->build(u->train_, true, &master);
-    u->build(u->frozen_, false, nullptr);
+    u->build(u->train_, true, &master, from_init[0]);
+    u->build(u->frozen_, false, nullptr, from_init[1]);
     if (u->train_.layout) {
       u->master_offset_ = trainable_elems_;
       trainable_elems_ += master.numel();

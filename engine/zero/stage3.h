@@ -91,7 +91,8 @@ class Unit {
     int64_t bytes() const;
   };
 
-  void build(Part& part, bool trainable, at::Tensor* master_out);
+  // same_everywhere: the values are already identical on every rank (gathered from init slices).
+  void build(Part& part, bool trainable, at::Tensor* master_out, bool same_everywhere);
   void gather(bool wait);
   void wait_gather();
   void release();
