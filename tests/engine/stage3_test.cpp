@@ -71,6 +71,27 @@ struct LoraNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(LoraNet);
 
+// An LM head inside a unit tied to the root's embedding: the shared matrix stays in the root.
+struct HeadImpl : torch::nn::Module {
+  explicit HeadImpl(at::Tensor w) : weight(register_parameter("weight", std::move(w))) {}
+  at::Tensor forward(const at::Tensor& h) { return at::matmul(h, weight.t()); }
+  at::Tensor weight;
+};
+TORCH_MODULE(Head);
+
+struct TiedHeadImpl : torch::nn::Module {
+  TiedHeadImpl() {
+    wte = register_module("wte", torch::nn::Embedding(11, 16));
+    mix = register_module("mix", zeal::Sharded<torch::nn::Linear>(16, 16));
+    head = register_module("head", zeal::Sharded<Head>(wte->weight));
+  }
+  at::Tensor forward(const at::Tensor& idx) { return head->forward(at::tanh(mix->forward(wte->forward(idx)))); }
+  torch::nn::Embedding wte{nullptr};
+  zeal::Sharded<torch::nn::Linear> mix{nullptr};
+  zeal::Sharded<Head> head{nullptr};
+};
+TORCH_MODULE(TiedHead);
+
 // max|a − b| / max|b| over the whole vector (rel_diff splits by TinyGpt's parameters).
 double rel_all(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
@@ -85,6 +106,46 @@ zeal::Config config(int stage, int64_t max_live = 1'000'000'000, int64_t prefetc
   c.gradient_clipping = {1.0, false};
   return c;
 }
+
+// Trains `Model` (token ids [B, 6] → logits [B, 6, 11]) for 5 AdamW steps on `world` ranks at
+// `stage`, each rank on its own rows of the same token table; checks every rank ends with the
+// same parameters and returns them. The optimizer gets every trainable parameter once (tied
+// matrices are registered twice).
+template <class Model>
+at::Tensor train_tokens(int world, int stage, const std::string& name) {
+  const std::string dir = temp_dir(name);
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(config(stage), rt);
+        at::manual_seed(5);
+        Model model;
+        std::vector<at::Tensor> trainable;
+        for (auto& p : model->parameters()) {
+          bool seen = !p.requires_grad();
+          for (auto& q : trainable) seen = seen || q.is_same(p);
+          if (!seen) trainable.push_back(p);
+        }
+        torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+        auto [m, o] = engine.prepare(model, opt);
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+        at::Tensor tokens = at::randint(0, 11, {5 * world * 3, 6}, gen);
+        for (int step = 0; step < 5; ++step) {
+          at::Tensor batch = tokens.narrow(0, (step * world + engine.process_index()) * 3, 3);
+          at::Tensor logits = m->forward(batch);
+          engine.backward(torch::nn::functional::cross_entropy(logits.reshape({-1, 11}), batch.reshape({-1})));
+          o.step();
+          o.zero_grad();
+        }
+        auto g = engine.gathered();
+        write_tensor(dir + "/params_" + std::to_string(engine.process_index()), flat_params(*m));
+      },
+      world);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+  const at::Tensor p0 = read_tensor(dir + "/params_0");
+  for (int r = 1; r < world; ++r) EXPECT_TRUE(at::equal(read_tensor(dir + "/params_" + std::to_string(r)), p0));
+  return p0;
+}
+
 
 // Trains Flip for 6 steps with an eval forward after each; returns the final parameters (rank 0's,
 // with every rank checked equal) and writes the gathered peak and the prefetch counts.
@@ -190,35 +251,7 @@ TEST(Stage3, FrozenBaseWeightsAndTiedEmbeddingMatchStageZero) {
   const int world = 2;
   std::map<int, at::Tensor> final_params;
   at::Tensor initial;
-  for (int stage : {0, 3}) {
-    const std::string dir = temp_dir("lora" + std::to_string(stage));
-    auto results = zeal::spawn(
-        [&](zeal::Runtime& rt) {
-          zeal::Engine engine(config(stage), rt);
-          at::manual_seed(5);
-          LoraNet model;
-          std::vector<at::Tensor> trainable;
-          for (auto& p : model->parameters())
-            if (p.requires_grad()) trainable.push_back(p);
-          torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-          auto [m, o] = engine.prepare(model, opt);
-          auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
-          at::Tensor tokens = at::randint(0, 11, {5 * world * 3, 6}, gen);
-          for (int step = 0; step < 5; ++step) {
-            at::Tensor batch = tokens.narrow(0, (step * world + engine.process_index()) * 3, 3);
-            at::Tensor logits = m->forward(batch);
-            engine.backward(torch::nn::functional::cross_entropy(logits.reshape({-1, 11}), batch.reshape({-1})));
-            o.step();
-            o.zero_grad();
-          }
-          auto g = engine.gathered();
-          write_tensor(dir + "/params_" + std::to_string(engine.process_index()), flat_params(*m));
-        },
-        world);
-    ASSERT_EQ(zeal::describe_failures(results), "");
-    final_params[stage] = read_tensor(dir + "/params_0");
-    EXPECT_TRUE(at::equal(read_tensor(dir + "/params_1"), final_params[stage]));
-  }
+  for (int stage : {0, 3}) final_params[stage] = train_tokens<LoraNet>(world, stage, "lora" + std::to_string(stage));
   at::manual_seed(5);
   LoraNet init;
   initial = flat_params(*init);
@@ -385,67 +418,12 @@ TEST(Stage3, InitTrainsLikeStageZero) {
   EXPECT_LE(err, 1e-6);
 }
 
-namespace {
-// An LM head inside a unit tied to the root's embedding: the shared matrix stays in the root.
-struct HeadImpl : torch::nn::Module {
-  explicit HeadImpl(at::Tensor w) : weight(register_parameter("weight", std::move(w))) {}
-  at::Tensor forward(const at::Tensor& h) { return at::matmul(h, weight.t()); }
-  at::Tensor weight;
-};
-TORCH_MODULE(Head);
-
-struct TiedHeadImpl : torch::nn::Module {
-  TiedHeadImpl() {
-    wte = register_module("wte", torch::nn::Embedding(11, 16));
-    mix = register_module("mix", zeal::Sharded<torch::nn::Linear>(16, 16));
-    head = register_module("head", zeal::Sharded<Head>(wte->weight));
-  }
-  at::Tensor forward(const at::Tensor& idx) { return head->forward(at::tanh(mix->forward(wte->forward(idx)))); }
-  torch::nn::Embedding wte{nullptr};
-  zeal::Sharded<torch::nn::Linear> mix{nullptr};
-  zeal::Sharded<Head> head{nullptr};
-};
-TORCH_MODULE(TiedHead);
-
-at::Tensor train_tied_head(int world, int stage, const std::string& name) {
-  const std::string dir = temp_dir(name);
-  auto results = zeal::spawn(
-      [&](zeal::Runtime& rt) {
-        zeal::Engine engine(config(stage), rt);
-        at::manual_seed(5);
-        TiedHead model;
-        std::vector<at::Tensor> params;  // the tied matrix once
-        for (auto& p : model->parameters()) {
-          bool seen = false;
-          for (auto& q : params) seen = seen || q.is_same(p);
-          if (!seen) params.push_back(p);
-        }
-        torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2));
-        auto [m, o] = engine.prepare(model, opt);
-        auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
-        at::Tensor idx = at::randint(0, 11, {4 * world * 3, 6}, gen);
-        for (int step = 0; step < 4; ++step) {
-          at::Tensor x = idx.narrow(0, (step * world + engine.process_index()) * 3, 3);
-          at::Tensor logits = m->forward(x.narrow(1, 0, 5));
-          at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, 11}), x.narrow(1, 1, 5).reshape({-1}));
-          engine.backward(loss);
-          o.step();
-          o.zero_grad();
-        }
-        auto g = engine.gathered();
-        write_tensor(dir + "/params_" + std::to_string(engine.process_index()), flat_params(*m));
-      },
-      world);
-  EXPECT_EQ(zeal::describe_failures(results), "");
-  return read_tensor(dir + "/params_0");
-}
-}  // namespace
 
 // Tied across the root and a unit (embedding and LM head): the matrix stays in the root and gets
 // the sum of both uses' gradients, as in stage 0.
 TEST(Stage3, HeadTiedToRootEmbeddingMatchesStageZero) {
-  const at::Tensor zero = train_tied_head(2, 0, "tiedhead0");
-  const at::Tensor three = train_tied_head(2, 3, "tiedhead3");
+  const at::Tensor zero = train_tokens<TiedHead>(2, 0, "tiedhead0");
+  const at::Tensor three = train_tokens<TiedHead>(2, 3, "tiedhead3");
   const double err = rel_all(three, zero);
   std::printf("[ metric ] head tied to the root's embedding: stage 3 vs stage 0 %.3g\n", err);
   EXPECT_LE(err, 1e-6);
