@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "benchmarks/peer_json.h"
 #include "kernels/cpu/adam.h"
 
 namespace {
@@ -91,20 +92,7 @@ json run_peers(const std::string& python, int64_t n, int threads, int repeats) {
   const std::string cmd = "OMP_NUM_THREADS=" + std::to_string(threads) + " '" + python + "' '" +
                           ZEAL_BENCH_DIR + "/optim_peers.py' --params " + std::to_string(n) + " --threads " +
                           std::to_string(threads) + " --repeats " + std::to_string(repeats) + " 2>/dev/null";
-  FILE* f = popen(cmd.c_str(), "r");
-  if (!f) return {{"error", "could not start " + python}};
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t got;
-  while ((got = fread(buf.data(), 1, buf.size(), f)) > 0) out.append(buf.data(), got);
-  const int rc = pclose(f);
-  const size_t brace = out.rfind("\n{");
-  const std::string last = out.substr(brace == std::string::npos ? 0 : brace + 1);
-  try {
-    return json::parse(last);
-  } catch (const std::exception&) {
-    return {{"error", python + " exited with status " + std::to_string(rc) + " and no result (is torch installed there?)"}};
-  }
+  return zeal_bench::run_peer_json(cmd, python);
 }
 
 }  // namespace

@@ -30,6 +30,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "benchmarks/peer_json.h"
 #include "engine/engine.h"
 #include "engine/memory.h"
 #include "engine/runtime/runtime.h"
@@ -134,29 +135,15 @@ Row run_peer(const Options& o, const std::string& mode, const std::string& token
       "--micro_batch {} --seq_len {} --vocab {} --context {} --layers {} --dim {} --heads {} 2>/dev/null",
       o.threads, o.python, ZEAL_BENCH_DIR, mode, tokens_path, o.world, o.threads, o.steps, o.micro_batch, o.seq_len,
       cfg.vocab, cfg.context, cfg.layers, cfg.dim, cfg.heads);
-  FILE* f = popen(cmd.c_str(), "r");
-  if (!f) {
-    row.why = "could not start " + o.python;
-    return row;
-  }
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t got;
-  while ((got = fread(buf.data(), 1, buf.size(), f)) > 0) out.append(buf.data(), got);
-  const int rc = pclose(f);
-  const size_t brace = out.rfind('{');
-  try {
-    const json r = json::parse(out.substr(brace == std::string::npos ? 0 : brace));
-    if (!r.value("ok", false)) {
-      row.why = r.value("why", std::string("no reason given"));
-      return row;
-    }
+  const json r = zeal_bench::run_peer_json(cmd, o.python);
+  if (r.contains("error")) {
+    row.why = r["error"].get<std::string>();
+  } else if (!r.value("ok", false)) {
+    row.why = r.value("why", std::string("no reason given"));
+  } else {
     row.step_s = r["step_s"].get<std::vector<double>>();
     row.peak_bytes = r["peak_bytes"].get<double>();
     row.ok = true;
-  } catch (const std::exception&) {
-    row.why = fmt::format("{} exited with status {} and no result (is torch 2.11 installed there? scripts/peers)",
-                          o.python, rc);
   }
   return row;
 }
