@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
       } else {
         batch = at::randint(0, cfg.vocab, {per_step, seq_len + 1}, gen);
       }
-      double loss_sum = 0;
+      at::Tensor loss_sum = at::zeros({}, at::TensorOptions(at::kFloat).device(engine.device()));  // reduced once per step
       for (int64_t k = 0; k < accum; ++k) {
         auto guard = engine.accumulate(m);
         at::Tensor rows = batch.narrow(0, (k * world + engine.process_index()) * micro_batch, micro_batch).to(engine.device());
@@ -163,12 +163,12 @@ int main(int argc, char** argv) {
           loss = m->loss(rows);
         }
         engine.backward(loss);
-        loss_sum += engine.reduce(loss.detach(), "mean").item<double>();
+        loss_sum += loss.detach().to(at::kFloat);
         opt.step();
         opt.zero_grad();
       }
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const double loss = loss_sum / static_cast<double>(accum);
+      const double loss = engine.reduce(loss_sum, "mean").item<double>() / static_cast<double>(accum);
       const double tokens_per_s = static_cast<double>(per_step * seq_len) / seconds;
       const auto mem = engine.memory();
       if (jsonl.is_open()) {
