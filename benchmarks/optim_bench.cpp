@@ -118,7 +118,7 @@ int main(int argc, char** argv) {
   const int all = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::vector<int> thread_counts = {1};
   if (all > 1) thread_counts.push_back(all);
-  const zeal::cpu::Simd simd = zeal::cpu::best_simd();
+  const zeal::cpu::Simd simd = zeal::cpu::active_simd();
   std::printf("optim_bench: %lld parameters, fp32 gradients, %d repeats (median), zeal path %s\n",
               static_cast<long long>(n), repeats, zeal::cpu::simd_name(simd));
 

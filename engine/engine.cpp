@@ -23,6 +23,7 @@
 #include "engine/zero/init.h"
 #include "engine/zero/stage3.h"
 #include "engine/zero/zero_optimizer.h"
+#include "kernels/cpu/adam.h"
 
 namespace zeal {
 
@@ -125,6 +126,11 @@ Engine::~Engine() = default;
 
 void Engine::init() {
   const auto& z = config_.zero;
+  try {
+    (void)cpu::active_simd();  // a bad ZEAL_CPU_ISA is named now, not at the first step
+  } catch (const std::invalid_argument& e) {
+    throw Error(e.what());
+  }
 
   if (z.offload_optimizer.device != OffloadDevice::kNone || z.offload_param.device != OffloadDevice::kNone) {
     throw Error("zero_optimization.offload_optimizer / offload_param: offload is not available in this version; set "

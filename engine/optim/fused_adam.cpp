@@ -41,14 +41,14 @@ class FusedAdam final : public AdamState {
     ensure_state(params);
     ++steps_;
     cpu::AdamHyper h;
-    h.lr = static_cast<float>(hyper_.lr);
-    h.beta1 = static_cast<float>(hyper_.beta1);
-    h.beta2 = static_cast<float>(hyper_.beta2);
-    h.eps = static_cast<float>(hyper_.eps);
-    h.weight_decay = static_cast<float>(hyper_.weight_decay);
+    h.lr = hyper_.lr;
+    h.beta1 = hyper_.beta1;
+    h.beta2 = hyper_.beta2;
+    h.eps = hyper_.eps;
+    h.weight_decay = hyper_.weight_decay;
     h.decoupled = decoupled_;
     h.step = steps_;
-    h.grad_scale = static_cast<float>(grad_scale);
+    h.grad_scale = grad_scale;
     if (params.is_cuda()) return cuda_step(h, params, segments);
     const int threads = at::get_num_threads();
     for (const FusedSegment& s : segments) {
@@ -63,7 +63,7 @@ class FusedAdam final : public AdamState {
       p.copy = s.copy;
       p.copy_type = s.copy_type;
       p.n = s.n;
-      cpu::adam_step(h, p, cpu::best_simd(), threads);
+      cpu::adam_step(h, p, cpu::active_simd(), threads);
     }
   }
 

@@ -11,6 +11,7 @@
 #include <hwloc.h>
 
 #include "engine/launch/binding.h"
+#include "kernels/cpu/adam.h"
 #include <liburing.h>
 
 #ifndef ZEAL_CUDA_VERSION
@@ -156,6 +157,9 @@ std::vector<EnvironmentItem> describe_environment() {
   items.push_back({"OS", fmt::format("{} {} {}", u.sysname, u.release, u.machine)});
   items.push_back({"CPU", cpu_model()});
   items.push_back({"CPU SIMD", simd_features()});
+  items.push_back({"zeal CPU kernels", cpu::describe_active_simd()});
+  const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
+  items.push_back({"LibTorch CPU kernels", libtorch_cpu_capability() + (aten && *aten ? " (ATEN_CPU_CAPABILITY)" : "")});
   items.push_back({"cores", topo.cores});
   items.push_back({"NUMA nodes", topo.numa});
   items.push_back({"CPU binding (this process)", current_cpu_binding()});

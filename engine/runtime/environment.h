@@ -21,5 +21,8 @@ std::vector<EnvironmentItem> describe_environment();
 std::string libtorch_version();
 std::string libtorch_parallel_info();
 bool libtorch_has_cuda();
+// The vector path LibTorch's own CPU kernels take ("AVX512", "AVX2", "DEFAULT"; ATEN_CPU_CAPABILITY
+// chooses another).
+std::string libtorch_cpu_capability();
 
 }  // namespace zeal

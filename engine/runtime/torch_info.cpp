@@ -1,5 +1,6 @@
 // The only translation unit of the runtime that includes LibTorch headers.
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 
@@ -15,5 +16,7 @@ std::string libtorch_parallel_info() {
 }
 
 bool libtorch_has_cuda() { return torch::cuda::is_available(); }
+
+std::string libtorch_cpu_capability() { return at::get_cpu_capability(); }
 
 }  // namespace zeal

@@ -22,7 +22,7 @@ cpu::DType kernel_dtype(at::ScalarType t) {
 cpu::GradStats stats_of(const at::Tensor& t) {
   if (t.numel() == 0) return {};
   if (t.is_cpu() && t.is_contiguous()) {
-    return cpu::grad_stats(t.data_ptr(), kernel_dtype(t.scalar_type()), t.numel(), cpu::best_simd(),
+    return cpu::grad_stats(t.data_ptr(), kernel_dtype(t.scalar_type()), t.numel(), cpu::active_simd(),
                            at::get_num_threads());
   }
   const double norm = at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble).item<double>();

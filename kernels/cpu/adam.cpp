@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -76,19 +77,19 @@ float half_to_float(uint16_t h) {
 namespace detail {
 
 AdamConstants adam_constants(const AdamHyper& h) {
-  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
+  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
   AdamConstants c{};
-  c.beta1 = h.beta1;
+  c.beta1 = static_cast<float>(h.beta1);
   c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
-  c.beta2 = h.beta2;
+  c.beta2 = static_cast<float>(h.beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  c.eps = h.eps;
+  c.eps = static_cast<float>(h.eps);
   c.step_size = static_cast<float>(h.lr / bc1);
   c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-  c.decay = h.decoupled ? static_cast<float>(1.0 - static_cast<double>(h.lr) * h.weight_decay) : 1.0f;
-  c.l2 = h.decoupled ? 0.0f : h.weight_decay;
-  c.grad_scale = h.grad_scale;
+  c.decay = h.decoupled ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+  c.l2 = h.decoupled ? 0.0f : static_cast<float>(h.weight_decay);
+  c.grad_scale = static_cast<float>(h.grad_scale);
   return c;
 }
 
@@ -168,6 +169,39 @@ Simd best_simd() {
                             : simd_supported(Simd::kAvx2) ? Simd::kAvx2
                                                           : Simd::kScalar;
   return best;
+}
+
+namespace {
+
+// ZEAL_CPU_ISA, checked: the path it names, or best_simd() when it is unset or empty.
+Simd simd_from_environment() {
+  const char* v = std::getenv("ZEAL_CPU_ISA");
+  if (!v || !*v) return best_simd();
+  const std::string word(v);
+  for (Simd s : {Simd::kScalar, Simd::kAvx2, Simd::kAvx512}) {
+    if (word != simd_name(s)) continue;
+    if (!simd_supported(s)) {
+      throw std::invalid_argument("ZEAL_CPU_ISA=" + word + ": this CPU lacks it (its widest path is " +
+                                  simd_name(best_simd()) + "; choose scalar, avx2 or avx512 up to that)");
+    }
+    return s;
+  }
+  throw std::invalid_argument("ZEAL_CPU_ISA=" + word + ": expected scalar, avx2 or avx512");
+}
+
+}  // namespace
+
+Simd active_simd() { return simd_from_environment(); }
+
+std::string describe_active_simd() {
+  const char* v = std::getenv("ZEAL_CPU_ISA");
+  try {
+    const Simd s = active_simd();
+    if (!v || !*v) return std::string(simd_name(s)) + " (the widest this CPU supports; ZEAL_CPU_ISA unset)";
+    return std::string(simd_name(s)) + " (ZEAL_CPU_ISA; this CPU supports up to " + simd_name(best_simd()) + ")";
+  } catch (const std::invalid_argument& e) {
+    return std::string("invalid: ") + e.what();
+  }
 }
 
 const char* simd_name(Simd s) {

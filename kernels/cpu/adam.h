@@ -12,21 +12,26 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace zeal::cpu {
 
 enum class DType { kFp32, kBf16, kFp16 };
 enum class Simd { kScalar, kAvx2, kAvx512 };
 
+// Hyperparameters as the user gives them (double, like torch::optim's options). The kernel works
+// in float: every constant it needs (β, 1 − β, lr / (1 − β1ᵗ), 1 − lr·wd, …) is computed here in
+// double and rounded to float once, so a β2 of 0.999 gives 1 − β2 = 0.001 to float precision, not
+// the 1.3e-5-off 1 − 0.999f.
 struct AdamHyper {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
-  bool decoupled = true;   // AdamW: p -= lr·wd·p; Adam: g += wd·p
-  int64_t step = 1;        // 1 for the first step (bias correction)
-  float grad_scale = 1.0f; // gradients are multiplied by this (1 / loss scale)
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool decoupled = true;    // AdamW: p -= lr·wd·p; Adam: g += wd·p
+  int64_t step = 1;         // 1 for the first step (bias correction)
+  double grad_scale = 1.0;  // gradients are multiplied by this (1 / loss scale × clip factor)
 };
 
 struct AdamPartition {
@@ -44,11 +49,21 @@ struct AdamPartition {
 Simd best_simd();
 bool simd_supported(Simd s);
 const char* simd_name(Simd s);
+// The path the engine's kernels take: ZEAL_CPU_ISA (scalar, avx2 or avx512) when it is set, else
+// best_simd(). Read at every dispatch (a getenv and a compare, nothing next to a kernel's pass);
+// throws std::invalid_argument naming the variable when it holds another word or a path this CPU
+// lacks. Every path gives the same bits (see above), so
+// forcing one changes speed only; it exists to run a narrower path on a wider CPU.
+Simd active_simd();
+// The text of the choice for reports: "avx512 (widest this CPU supports)" or
+// "avx2 (ZEAL_CPU_ISA; this CPU supports avx512)". Never throws: an invalid ZEAL_CPU_ISA is
+// described instead.
+std::string describe_active_simd();
 
 // One Adam step over the partition with the given path (which must be supported), split over
 // `threads` threads in contiguous chunks (results do not depend on the thread count).
 void adam_step(const AdamHyper& h, const AdamPartition& p, Simd simd, int threads = 1);
-inline void adam_step(const AdamHyper& h, const AdamPartition& p) { adam_step(h, p, best_simd()); }
+inline void adam_step(const AdamHyper& h, const AdamPartition& p) { adam_step(h, p, active_simd()); }
 
 // Elements [begin, end) of a partition, as a partition of its own.
 AdamPartition slice(const AdamPartition& p, int64_t begin, int64_t end);
@@ -69,7 +84,7 @@ inline GradStats combine(GradStats a, const GradStats& b) {
 // Over n elements of type `type` at `grad`, split over `threads` threads (partial sums combined
 // in chunk order, so a given thread count always gives the same bits).
 GradStats grad_stats(const void* grad, DType type, int64_t n, Simd simd, int threads = 1);
-inline GradStats grad_stats(const void* grad, DType type, int64_t n) { return grad_stats(grad, type, n, best_simd()); }
+inline GradStats grad_stats(const void* grad, DType type, int64_t n) { return grad_stats(grad, type, n, active_simd()); }
 
 // Conversions with round-to-nearest-even, the scalar reference for the SIMD paths.
 uint16_t float_to_bf16(float f);

@@ -167,6 +167,15 @@ TEST_F(CliTest, EnvReportsVersionsAndHardware) {
   Result r = run_zeal("env");
   ASSERT_EQ(r.status, 0) << r.output;
   for (const char* item : {"zeal:", "LibTorch:", "2.11", "CUDA driver:", "GPUs:", "NCCL:", "liburing:",
-                           "io_uring usable:", "hwloc:", "CPU SIMD:", "cores:", "NUMA nodes:"})
+                           "io_uring usable:", "hwloc:", "CPU SIMD:", "cores:", "NUMA nodes:", "zeal CPU kernels:",
+                           "LibTorch CPU kernels:"})
     EXPECT_NE(r.output.find(item), std::string::npos) << item << "\n" << r.output;
+  // The kernels' path: the widest by default, ZEAL_CPU_ISA's when set, a bad value described.
+  EXPECT_NE(r.output.find("ZEAL_CPU_ISA unset"), std::string::npos) << r.output;
+  Result scalar = run_zeal("env", "ZEAL_CPU_ISA=scalar");
+  EXPECT_NE(scalar.output.find("scalar (ZEAL_CPU_ISA;"), std::string::npos)
+      << scalar.output;
+  Result bad = run_zeal("env", "ZEAL_CPU_ISA=sse9");
+  EXPECT_NE(bad.output.find("invalid: ZEAL_CPU_ISA=sse9: expected scalar, avx2 or avx512"), std::string::npos)
+      << bad.output;
 }
