@@ -19,8 +19,9 @@
 namespace zeal_test {
 namespace {
 
-// bf16 compute with an fp32 master follows the fp32 run: the loss curve within 2 % at every step,
-// in stage 2 (flat groups) and stage 3 (units).
+// bf16 compute with an fp32 master follows the fp32 run: the loss curve and the parameters within
+// what bf16's 8-bit significand allows this run (bf16_spread), in stage 2 (flat groups) and stage 3
+// (units).
 TEST(Precision, Bf16FollowsFp32) {
   for (int stage : {2, 3}) {
     RunSpec s;
@@ -38,8 +39,10 @@ TEST(Precision, Bf16FollowsFp32) {
       std::printf("[ metric ]   step %d loss fp32 %.6f bf16 %.6f\n", i, fp32.losses[i].item<double>(),
                   bf16.losses[i].item<double>());
     }
-    EXPECT_LE(loss_err, 2e-2) << "stage " << stage;
-    EXPECT_LE(param_err, 5e-2) << "stage " << stage;
+    s.precision = "no";
+    const Spread tol = bf16_spread(s);
+    EXPECT_LE(loss_err, tol.losses) << "stage " << stage;
+    EXPECT_LE(param_err, tol.params) << "stage " << stage;
     EXPECT_GT(loss_err, 0.0) << "bf16 should not be bit-identical to fp32: was it used?";
     EXPECT_LT(fp32.losses[s.steps - 1].item<double>(), fp32.losses[0].item<double>());
   }
@@ -94,14 +97,15 @@ TEST(Frozen, EmbeddingsStayBitForBitAndTheRestMatches) {
     TinyGpt init(model_options());
     const int64_t frozen = init->wte->weight.numel() + init->wpe->weight.numel();  // registered first
     EXPECT_TRUE(at::equal(got.params[0].narrow(0, 0, frozen), flat_params(*init).narrow(0, 0, frozen)));
-    EXPECT_LE(rel_diff(got.params[0], ref.params[0]), 1e-5);
+    EXPECT_LE(rel_diff(got.params[0], ref.params[0]), tolerances(s).zeal_vs_libtorch().params);
     // Accounting: the frozen bytes are the embeddings in fp32, and the trainable count leaves them out.
     EXPECT_EQ(got.memory[0][4].item<double>(), frozen * 4.0);
     EXPECT_EQ(got.memory[0][5].item<double>(), flat_params(*init).numel() - frozen);
   }
 }
 
-// Accounting: params + grads + master + optimizer states per rank within 5 % of DESIGN.md's table.
+// Accounting: params + grads + master + optimizer states per rank against DESIGN.md's table, up to
+// the shard padding.
 TEST(Accounting, ModelStatesMatchTheStageTable) {
   for (const char* precision : {"no", "bf16"}) {
     for (int world : {2, 4}) {
@@ -124,7 +128,12 @@ TEST(Accounting, ModelStatesMatchTheStageTable) {
           const double expected = zeal::expected_model_state_bytes(model);
           std::printf("[ metric ] %s world %d stage %d rank %d: %.0f bytes held, table says %.0f (%+.2f %%)\n",
                       precision, world, stage, rank, held, expected, 100.0 * (held - expected) / expected);
-          EXPECT_LE(std::abs(held - expected) / expected, 0.05) << precision << " world " << world << " stage " << stage;
+          // The table counts Ψ elements; the flat buffer (one bucket here) is padded to a multiple of
+          // world × 16 elements (FlatLayout's alignment), so what a rank holds exceeds the table by
+          // less than world·16 elements of every kind it keeps, and never falls short.
+          const double padding = world * 16.0 * (model.param_bytes + model.grad_bytes + 12);
+          EXPECT_GE(held, expected) << precision << " world " << world << " stage " << stage;
+          EXPECT_LT(held - expected, padding) << precision << " world " << world << " stage " << stage;
         }
       }
     }
@@ -250,7 +259,10 @@ TEST(Config, OptimizerAndScheduleFromTheConfig) {
     static_cast<torch::optim::SGDOptions&>(opt.param_groups()[0].options()).lr(0.1 * std::min(t, 4) / 4.0);
     opt.step();
   }
-  EXPECT_LE(rel_diff_plain(read_tensor(dir + "/params"), flat_params(*ref)), 1e-6);
+  // Both ranks see the same batch, so the average of their gradients is that gradient exactly;
+  // zeal's SGD and torch's make the same one multiply-add per element, and WarmupLR's rate is the
+  // same double: the same arithmetic, so the same bits.
+  EXPECT_TRUE(at::equal(read_tensor(dir + "/params"), flat_params(*ref)));
   std::filesystem::remove_all(dir);
 }
 

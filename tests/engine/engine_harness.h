@@ -20,7 +20,10 @@
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/runtime/runtime.h"
+#include "engine/optim/optimizer.h"
 #include "engine/runtime/spawn.h"
+#include "kernels/cpu/adam.h"
+#include "tests/engine/rounding.h"
 #include "tests/engine/tiny_gpt.h"
 
 namespace zeal_test {
@@ -44,6 +47,7 @@ struct RunSpec {
   int64_t max_live = 1'000'000'000;
   bool init = false;  // build the model with engine.init (zero3_init_flag)
   uint64_t seed = 7;
+  std::string isa;  // ZEAL_CPU_ISA in the ranks (empty: unset)
   // fp16 loss scaling
   int64_t initial_scale_power = 16, loss_scale_window = 1000, hysteresis = 2;
 };
@@ -147,6 +151,13 @@ struct RunResult {
 using LossHook = std::function<at::Tensor(zeal::Engine&, int, int, at::Tensor)>;
 
 inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& dir, const LossHook& hook) {
+  if (!s.isa.empty()) {
+    // Ranks are fresh processes: the kernels read ZEAL_CPU_ISA at their first use, here.
+    ::setenv("ZEAL_CPU_ISA", s.isa.c_str(), 1);
+    if (zeal::cpu::simd_name(zeal::cpu::active_simd()) != s.isa) {
+      throw zeal::Error("the kernels did not take ZEAL_CPU_ISA=" + s.isa + " (chosen before the rank started?)");
+    }
+  }
   zeal::Engine engine(make_config(s), rt);
   Setup u = make_setup(s, [&] { return s.init ? engine.init<TinyGpt>(model_options()) : TinyGpt(model_options()); });
   auto [m, o] = engine.prepare(u.model, *u.opt);
@@ -273,6 +284,111 @@ inline double rel_diff(const at::Tensor& a, const at::Tensor& b) {
 // max |a - b| / max |b| over the whole vector (for models other than TinyGpt).
 inline double rel_diff_plain(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
+}
+
+}  // namespace zeal_test
+
+namespace zeal_test {
+
+// --- tolerances (tests/engine/rounding.h) -------------------------------------------------------
+
+// The reference trainer for a spec: TinyGpt seeded like the ranks; rank r's micro-step m on the
+// samples train_rank gives it; zeal's clipping rule (the norm in float64, torch's coefficient
+// max_norm / (norm + 1e-6), one multiplication); AdamW from torch::optim, or zeal's fused kernel
+// with `fused` (the optimizer zeal runs); the StepLR when the spec has one.
+// compute_perturbation: the forward and backward run on parameters multiplied by (1 + it) (the
+// optimizer still updates the unperturbed ones), a model of computing in a lower precision.
+inline ReferenceTrainer reference_trainer(const RunSpec& s, bool fused, double compute_perturbation = 0) {
+  auto u = std::make_shared<Setup>(make_setup(s));
+  const int64_t per_step = s.micro_batch * s.world * s.accumulation;
+  auto tokens = std::make_shared<at::Tensor>(make_tokens(per_step * s.steps));
+  std::shared_ptr<zeal::optim::Optimizer> zeal_adamw;
+  if (fused) {
+    zeal_adamw = zeal::optim::make_fused_adamw({.lr = s.lr, .eps = s.eps, .weight_decay = s.weight_decay});
+  }
+  ReferenceTrainer t;
+  t.params = u->trainable;
+  t.backward = [u, tokens, s, per_step, compute_perturbation](int step, int rank, int micro) {
+    for (auto& p : u->trainable) p.mutable_grad() = at::Tensor();
+    std::vector<at::Tensor> kept;
+    if (compute_perturbation != 0) {
+      c10::NoGradGuard no_grad;
+      for (auto& p : u->model->parameters()) {
+        kept.push_back(p.detach().clone());
+        p.detach().mul_(1 + compute_perturbation);
+      }
+    }
+    const int64_t first = step * per_step + (micro * s.world + rank) * s.micro_batch;
+    at::Tensor loss = lm_loss(u->model, tokens->narrow(0, first, s.micro_batch));
+    (s.accumulation == 1 ? loss : loss * (1.0 / s.accumulation)).backward();
+    if (!kept.empty()) {
+      c10::NoGradGuard no_grad;
+      size_t k = 0;
+      for (auto& p : u->model->parameters()) p.detach().copy_(kept[k++]);
+    }
+    return loss.item<double>();
+  };
+  t.update = [u, s, zeal_adamw]() {
+    const double norm = clip_and_step(u->trainable, s.clip, *u->opt, zeal_adamw.get());
+    if (s.step_lr) u->step_lr->step();  // also moves the rate zeal_adamw reads
+    return norm;
+  };
+  t.flat = [u] { return flat_params(*u->model); };
+  return t;
+}
+
+// What two runs of `s` may differ by, computed on this machine (rounding.h):
+//   zeal_vs_zeal      two zeal runs that differ in stage, layout or buckets
+//   zeal_vs_libtorch  a zeal run against run_reference(s)
+struct Tolerances {
+  Spread sum_order, optimizer, split;
+  Spread zeal_vs_zeal() const { return sum_order; }
+  Spread zeal_vs_libtorch() const { return sum_order + optimizer + split; }
+};
+
+inline Tolerances tolerances(const RunSpec& s) {
+  Tolerances t;
+  const auto diff = [](const at::Tensor& a, const at::Tensor& b) { return rel_diff(a, b); };
+  t.sum_order = sum_order_spread([&] { return reference_trainer(s, true); }, s.world, s.accumulation, s.steps, diff);
+  const ReferenceCurves zeal_optimizer = run_reference_trainer(reference_trainer(s, true), s.world, s.accumulation, s.steps);
+  const ReferenceCurves torch_optimizer =
+      run_reference_trainer(reference_trainer(s, false), s.world, s.accumulation, s.steps);
+  t.optimizer = measured_spread(zeal_optimizer, torch_optimizer, diff);
+  const RunResult whole = run_reference(s);
+  t.split = measured_spread(torch_optimizer, {whole.params[0], whole.losses, whole.norms}, diff);
+  std::printf("[ metric ] tolerances for world %d, accumulation %d: sum order %.3g + optimizer %.3g + split %.3g "
+              "(parameters; losses %.3g, norms %.3g against LibTorch)\n",
+              s.world, s.accumulation, t.sum_order.params, t.optimizer.params, t.split.params,
+              t.zeal_vs_libtorch().losses, t.zeal_vs_libtorch().norms);
+  return t;
+}
+
+}  // namespace zeal_test
+
+namespace zeal_test {
+
+// bf16 compute with an fp32 master, against the same run in fp32. bf16 keeps 8 significant bits:
+// unit roundoff u₁₆ = 2⁻⁸. The bf16 run is the fp32 run with (a) every matmul's inputs and output
+// rounded to bf16 — modelled as the forward and backward running on weights off by 2·u₁₆ relatively,
+// all in one direction (rounding errors of one sign add up; real ones partly cancel) — and (b) the
+// gradient sums formed in bf16 (δ with u₁₆, rounding.h). The reference is run with both, in each
+// direction, against the unperturbed fp32 reference; the fp32 side adds its own summation-order
+// bound (the zeal fp32 run against that reference).
+inline Spread bf16_spread(const RunSpec& s) {
+  const auto diff = [](const at::Tensor& a, const at::Tensor& b) { return rel_diff(a, b); };
+  const double u16 = std::ldexp(1.0, -8);
+  const ReferenceCurves base = run_reference_trainer(reference_trainer(s, true), s.world, s.accumulation, s.steps);
+  Spread bf16;
+  for (int sign : {1, -1}) {
+    const ReferenceCurves r = run_reference_trainer(reference_trainer(s, true, sign * 2 * u16), s.world,
+                                                    s.accumulation, s.steps, sign, u16);
+    const Spread d = measured_spread(r, base, diff);
+    bf16 = {std::max(bf16.params, d.params), std::max(bf16.losses, d.losses), std::max(bf16.norms, d.norms)};
+  }
+  const Spread fp32 = tolerances(s).zeal_vs_zeal();
+  std::printf("[ metric ] bf16 bound for world %d, accumulation %d: parameters %.3g, losses %.3g (+ fp32 %.3g, %.3g)\n",
+              s.world, s.accumulation, bf16.params, bf16.losses, fp32.params, fp32.losses);
+  return bf16 + fp32;
 }
 
 }  // namespace zeal_test

@@ -13,6 +13,7 @@
 #include <iterator>
 
 #include "engine/memory.h"
+#include "engine/optim/optimizer.h"
 #include "engine/zero/sharded.h"
 
 using namespace zeal_test;
@@ -199,6 +200,40 @@ at::Tensor train_flip(int world, int stage, int64_t max_live, const std::string&
   return p0;
 }
 
+// Flip trained in one process as `world` ranks would train it (train_flip's data, AdamW at 1e-2
+// with weight decay 0.1, the config's clipping at 1.0), for the summation-order bound.
+ReferenceTrainer flip_trainer(int world) {
+  struct State {
+    Flip model{nullptr};
+    std::vector<at::Tensor> params;
+    std::unique_ptr<torch::optim::AdamW> opt;
+    std::unique_ptr<zeal::optim::Optimizer> zeal_opt;
+    at::Tensor x, y;
+  };
+  auto st = std::make_shared<State>();
+  at::manual_seed(3);
+  st->model = Flip();
+  st->params = st->model->parameters();
+  st->opt = std::make_unique<torch::optim::AdamW>(st->params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  st->zeal_opt = zeal::optim::make_fused_adamw({.lr = 1e-2, .weight_decay = 0.1});
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(99);
+  st->x = at::randn({6 * world * 4, 24}, gen);
+  st->y = at::randint(0, 5, {6 * world * 4}, gen);
+  ReferenceTrainer t;
+  t.params = st->params;
+  t.backward = [st, world](int step, int rank, int) {
+    for (auto& p : st->params) p.mutable_grad() = at::Tensor();
+    const int64_t first = (step * world + rank) * 4;
+    at::Tensor loss = torch::nn::functional::cross_entropy(st->model->forward(st->x.narrow(0, first, 4), step),
+                                                           st->y.narrow(0, first, 4));
+    loss.backward();
+    return loss.item<double>();
+  };
+  t.update = [st] { return clip_and_step(st->params, 1.0, *st->opt, st->zeal_opt.get()); };
+  t.flat = [st] { return flat_params(*st->model); };
+  return t;
+}
+
 }  // namespace
 
 // The order of units changes every step (one unit runs twice in the even steps) and eval forwards
@@ -214,7 +249,11 @@ TEST(Stage3, ChangingOrderTwiceUsedUnitAndEvalMatchStageZero) {
     std::printf("[ metric ] world %d: stage 3 vs stage 0 with a changing order: %.3g; gathered peak %.0f B "
                 "(%.0f B with a unit used twice), bound %.0f B; %.0f prefetches, %.0f re-traces\n",
                 world, err, st[0], st[5], st[1], st[2], st[3]);
-    EXPECT_LE(err, 1e-6);
+    if (world == 2) {
+      EXPECT_TRUE(at::equal(three, zero)) << "two ranks, one micro-step: the same sums (engine_test.cpp)";
+    } else {
+      EXPECT_LE(err, sum_order_spread([&] { return flip_trainer(world); }, world, 1, 6, rel_all).params);
+    }
     // The bound, computed here: one unit's worth of live parameters, the largest unit (padded to
     // whole shards of 16 elements), the root (head) kept gathered.
     const auto padded = [&](int64_t n) { return (n + 16 * world - 1) / (16 * world) * (16 * world) * 4; };
@@ -256,7 +295,8 @@ TEST(Stage3, FrozenBaseWeightsAndTiedEmbeddingMatchStageZero) {
   LoraNet init;
   initial = flat_params(*init);
   std::printf("[ metric ] LoRA + tied, stage 3 vs stage 0: %.3g\n", rel_all(final_params[3], final_params[0]));
-  EXPECT_LE(rel_all(final_params[3], final_params[0]), 1e-6);
+  // Two ranks, one micro-step: the same arithmetic as stage 0 (engine_test.cpp, same_arithmetic).
+  EXPECT_TRUE(at::equal(final_params[3], final_params[0]));
   // Frozen base weights bit for bit; adapters and the tied embedding moved.
   int64_t offset = 0;
   for (const auto& item : init->named_parameters()) {
@@ -414,8 +454,9 @@ TEST(Stage3, InitTrainsLikeStageZero) {
   const RunResult three = run_engine(s, "init_stage3");
   EXPECT_TRUE(at::equal(three.trajectory[0][0], zero.trajectory[0][0])) << "initial values differ";
   const double err = rel_all(three.params[0], zero.params[0]);
-  std::printf("[ metric ] world 3, built by engine.init: stage 3 vs stage 0 %.3g\n", err);
-  EXPECT_LE(err, 1e-6);
+  const double tol = tolerances(s).zeal_vs_zeal().params;
+  std::printf("[ metric ] world 3, built by engine.init: stage 3 vs stage 0 %.3g (tolerance %.3g)\n", err, tol);
+  EXPECT_LE(err, tol);
 }
 
 
@@ -424,9 +465,8 @@ TEST(Stage3, InitTrainsLikeStageZero) {
 TEST(Stage3, HeadTiedToRootEmbeddingMatchesStageZero) {
   const at::Tensor zero = train_tokens<TiedHead>(2, 0, "tiedhead0");
   const at::Tensor three = train_tokens<TiedHead>(2, 3, "tiedhead3");
-  const double err = rel_all(three, zero);
-  std::printf("[ metric ] head tied to the root's embedding: stage 3 vs stage 0 %.3g\n", err);
-  EXPECT_LE(err, 1e-6);
+  std::printf("[ metric ] head tied to the root's embedding: stage 3 vs stage 0 %.3g\n", rel_all(three, zero));
+  EXPECT_TRUE(at::equal(three, zero)) << "two ranks, one micro-step: the same arithmetic as stage 0";
 }
 
 namespace {
