@@ -3,14 +3,19 @@
 // same run, PyTorch FSDP2 (fully_shard on every block, then the root; gloo) and DDP through
 // benchmarks/fsdp2_peer.py, on the same tokens.
 //
-//   build/bin/zero_step_bench [--model PRESET] [--world N] [--threads T] [--steps S] [--seq_len L]
-//       [--micro_batch B] [--stages 0,1,2,3] [--json PATH] [--python EXE] [--no-peers]
+//   build/bin/zero_step_bench [--model PRESET] [--world N] [--threads T] [--steps S] [--rounds R]
+//       [--seq_len L] [--micro_batch B] [--stages 0,1,2,3] [--json PATH] [--python EXE] [--no-peers]
 //
-// Per configuration: the median step time (forward, backward, clip, step; the slowest rank per
+// Per configuration run: the median step time (forward, backward, clip, step; the slowest rank per
 // step; one untimed warm-up step first) and the per-rank peak memory: the peak resident set
 // (VmHWM, reset through /proc/self/clear_refs) above the resident set just before the model is
 // built, the most over ranks. The same method runs inside the Python peer. zeal stage 3 builds
-// the model with engine.init (zero3_init_flag). Prints the table and zeal ÷ FSDP2 ratios.
+// the model with engine.init (zero3_init_flag).
+//
+// Each configuration is its own group of processes holding its own model, too large to keep them
+// all alive and interleave them step by step; so every configuration runs once per round, R rounds,
+// in an order rotated each round (rounds.h), and each ratio (zeal ÷ FSDP2, stage 0 ÷ DDP) is taken
+// round by round and reported as its median with the min–max over rounds.
 #include <torch/optim/adamw.h>
 
 #include <fmt/format.h>
@@ -22,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -31,6 +37,7 @@
 #include <ATen/Parallel.h>
 
 #include "benchmarks/peer_json.h"
+#include "benchmarks/rounds.h"
 #include "engine/engine.h"
 #include "engine/memory.h"
 #include "engine/runtime/runtime.h"
@@ -54,29 +61,49 @@ void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
 struct Options {
   std::string model = "gpt2-small";
-  int world = 2, threads = 1, steps = 3;
+  int world = 2, threads = 1, steps = 3, rounds = 3;
   int64_t seq_len = 128, micro_batch = 2;
   std::vector<int> stages{0, 1, 2, 3};
   std::string json_path, python;
   bool peers = true;
 };
 
-struct Row {
+// One run of one configuration.
+struct Run {
   std::string name;
   bool ok = false;
   std::string why;
   std::vector<double> step_s;
   double peak_bytes = 0, model_state_bytes = 0;
   double median() const {
-    std::vector<double> v = step_s;
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0 : v[v.size() / 2];
+    zeal_bench::Series s;
+    s.values = step_s;
+    return s.median();
+  }
+};
+
+// One configuration over the rounds: each round's median step and peak.
+struct Row {
+  std::string name;
+  bool ok = true;
+  std::string why;
+  zeal_bench::Series step_s, peak_bytes;
+  double model_state_bytes = 0;
+  void add(const Run& r) {
+    if (!r.ok) {
+      ok = false;
+      why = r.why;
+      return;
+    }
+    step_s.values.push_back(r.median());
+    peak_bytes.values.push_back(r.peak_bytes);
+    model_state_bytes = r.model_state_bytes;
   }
 };
 
 // One zeal configuration on `world` ranks; each rank writes its times and peak to `dir`.
-Row run_zeal(const Options& o, int stage, const at::Tensor& tokens, const std::string& dir) {
-  Row row;
+Run run_zeal(const Options& o, int stage, const at::Tensor& tokens, const std::string& dir) {
+  Run row;
   row.name = fmt::format("zeal stage {}", stage);
   const auto cfg = zeal::models::gpt_preset(o.model);
   zeal::SpawnOptions so;
@@ -126,8 +153,8 @@ Row run_zeal(const Options& o, int stage, const at::Tensor& tokens, const std::s
   return row;
 }
 
-Row run_peer(const Options& o, const std::string& mode, const std::string& tokens_path) {
-  Row row;
+Run run_peer(const Options& o, const std::string& mode, const std::string& tokens_path) {
+  Run row;
   row.name = mode == "fsdp2" ? "PyTorch FSDP2" : "PyTorch DDP";
   const auto cfg = zeal::models::gpt_preset(o.model);
   const std::string cmd = fmt::format(
@@ -164,6 +191,7 @@ int main(int argc, char** argv) {
       else if (a == "--world") o.world = std::stoi(next());
       else if (a == "--threads") o.threads = std::stoi(next());
       else if (a == "--steps") o.steps = std::stoi(next());
+      else if (a == "--rounds") o.rounds = std::stoi(next());
       else if (a == "--seq_len") o.seq_len = std::stoll(next());
       else if (a == "--micro_batch") o.micro_batch = std::stoll(next());
       else if (a == "--json") o.json_path = next();
@@ -178,10 +206,14 @@ int main(int argc, char** argv) {
         throw std::invalid_argument("unknown flag " + a);
       }
       (void)zeal::models::gpt_preset(o.model);
+      if (o.rounds < 1 || o.steps < 1 || o.world < 1 || o.threads < 1) {
+        throw std::invalid_argument("--rounds, --steps, --world and --threads take positive counts");
+      }
     } catch (const std::exception& e) {
       std::fprintf(stderr,
                    "zero_step_bench: %s\nusage: zero_step_bench [--model PRESET] [--world N] [--threads T] [--steps S] "
-                   "[--seq_len L] [--micro_batch B] [--stages 0,1,2,3] [--json PATH] [--python EXE] [--no-peers]\n",
+                   "[--rounds R] [--seq_len L] [--micro_batch B] [--stages 0,1,2,3] [--json PATH] [--python EXE] "
+                   "[--no-peers]\n",
                    e.what());
       return 2;
     }
@@ -197,75 +229,92 @@ int main(int argc, char** argv) {
       .write(static_cast<const char*>(tokens.data_ptr()), static_cast<std::streamsize>(tokens.nbytes()));
 
   std::printf("zero_step_bench: %s (%.1f M parameters), %d ranks x %d threads (%u cores), %lld x %lld tokens per rank, "
-              "fp32, AdamW, clip 1.0, %d timed steps\n",
+              "fp32, AdamW, clip 1.0, %d timed steps, %d rounds in rotated order\n",
               cfg.name.c_str(), cfg.num_parameters() / 1e6, o.world, o.threads, std::thread::hardware_concurrency(),
-              (long long)o.micro_batch, (long long)o.seq_len, o.steps);
+              (long long)o.micro_batch, (long long)o.seq_len, o.steps, o.rounds);
   std::fflush(stdout);
-  std::vector<Row> rows;
+  zeal_bench::Environment env;
+  env.begin();
+  // The configurations: zeal's stages, then the peers.
+  struct Config {
+    std::string name;
+    std::function<Run()> run;
+  };
+  std::vector<Config> configs;
   for (int stage : o.stages) {
-    rows.push_back(run_zeal(o, stage, tokens, dir));
-    std::printf("  %-16s %s\n", rows.back().name.c_str(),
-                rows.back().ok ? fmt::format("{:.3f} s/step, peak {}", rows.back().median(),
-                                             zeal::format_bytes(rows.back().peak_bytes)).c_str()
-                               : rows.back().why.c_str());
-    std::fflush(stdout);
+    configs.push_back({fmt::format("zeal stage {}", stage), [&, stage] { return run_zeal(o, stage, tokens, dir); }});
   }
-  std::optional<Row> fsdp2, ddp;
   if (o.peers) {
-    for (const char* mode : {"fsdp2", "ddp"}) {
-      Row r = run_peer(o, mode, tokens_path);
-      std::printf("  %-16s %s\n", r.name.c_str(),
-                  r.ok ? fmt::format("{:.3f} s/step, peak {}", r.median(), zeal::format_bytes(r.peak_bytes)).c_str()
-                       : ("cannot run: " + r.why).c_str());
+    configs.push_back({"PyTorch FSDP2", [&] { return run_peer(o, "fsdp2", tokens_path); }});
+    configs.push_back({"PyTorch DDP", [&] { return run_peer(o, "ddp", tokens_path); }});
+  }
+  std::vector<Row> rows(configs.size());
+  for (size_t i = 0; i < configs.size(); ++i) rows[i].name = configs[i].name;
+  for (int r = 0; r < o.rounds; ++r) {
+    for (size_t k = 0; k < configs.size(); ++k) {
+      const size_t i = (k + static_cast<size_t>(r)) % configs.size();
+      if (!rows[i].ok) continue;  // it could not run: no use retrying every round
+      const Run run = configs[i].run();
+      rows[i].add(run);
+      std::printf("  round %d  %-16s %s\n", r + 1, run.name.c_str(),
+                  run.ok ? fmt::format("{:.3f} s/step, peak {}", run.median(), zeal::format_bytes(run.peak_bytes)).c_str()
+                         : ("cannot run: " + run.why).c_str());
       std::fflush(stdout);
-      (std::string(mode) == "fsdp2" ? fsdp2 : ddp) = r;
     }
   }
+  env.end();
   std::remove(tokens_path.c_str());
 
-  std::printf("\n| configuration | step (s, median) | peak memory per rank | model states per rank |\n|---|---|---|---|\n");
+  std::printf("\n| configuration | step (s), median (min–max) over rounds | peak memory per rank | model states per rank |\n"
+              "|---|---|---|---|\n");
   json out_rows = json::array();
-  auto add = [&](const Row& r) {
+  for (const auto& r : rows) {
     if (r.ok) {
-      std::printf("| %s | %.3f | %s | %s |\n", r.name.c_str(), r.median(), zeal::format_bytes(r.peak_bytes).c_str(),
+      std::printf("| %s | %.3f (%.3f–%.3f) | %s (%s–%s) | %s |\n", r.name.c_str(), r.step_s.median(), r.step_s.min(),
+                  r.step_s.max(), zeal::format_bytes(r.peak_bytes.median()).c_str(),
+                  zeal::format_bytes(r.peak_bytes.min()).c_str(), zeal::format_bytes(r.peak_bytes.max()).c_str(),
                   r.model_state_bytes > 0 ? zeal::format_bytes(r.model_state_bytes).c_str() : "-");
     } else {
       std::printf("| %s | - | - | cannot run: %s |\n", r.name.c_str(), r.why.c_str());
     }
-    out_rows.push_back({{"name", r.name}, {"ok", r.ok}, {"why", r.why}, {"step_s", r.step_s},
-                        {"median_step_s", r.ok ? json(r.median()) : json(nullptr)},
-                        {"peak_bytes", r.ok ? json(r.peak_bytes) : json(nullptr)},
+    out_rows.push_back({{"name", r.name}, {"ok", r.ok}, {"why", r.why}, {"step_s_per_round", r.step_s.values},
+                        {"median_step_s", r.ok ? json(r.step_s.median()) : json(nullptr)},
+                        {"median_step_s_spread", r.ok ? json({r.step_s.min(), r.step_s.max()}) : json(nullptr)},
+                        {"peak_bytes", r.ok ? json(r.peak_bytes.median()) : json(nullptr)},
+                        {"peak_bytes_spread", r.ok ? json({r.peak_bytes.min(), r.peak_bytes.max()}) : json(nullptr)},
                         {"model_state_bytes", r.model_state_bytes > 0 ? json(r.model_state_bytes) : json(nullptr)}});
-  };
-  for (const auto& r : rows) add(r);
-  if (fsdp2) add(*fsdp2);
-  if (ddp) add(*ddp);
+  }
 
   json result = {{"model", cfg.name}, {"parameters", cfg.num_parameters()}, {"world", o.world},
                  {"threads_per_rank", o.threads}, {"cores", std::thread::hardware_concurrency()},
-                 {"micro_batch", o.micro_batch}, {"seq_len", o.seq_len}, {"steps", o.steps}, {"precision", "fp32"},
-                 {"rows", out_rows}};
-  const Row* s3 = nullptr;
-  const Row* s0 = nullptr;
-  for (const auto& r : rows) {
-    if (r.ok && r.name == "zeal stage 3") s3 = &r;
-    if (r.ok && r.name == "zeal stage 0") s0 = &r;
+                 {"micro_batch", o.micro_batch}, {"seq_len", o.seq_len}, {"steps", o.steps}, {"rounds", o.rounds},
+                 {"precision", "fp32"}, {"rows", out_rows}};
+  auto find = [&](const std::string& name) -> const Row* {
+    for (const auto& r : rows)
+      if (r.ok && r.name == name) return &r;
+    return nullptr;
+  };
+  auto pair = [&](const char* key, const char* label, const Row* a, const Row* b) {
+    const zeal_bench::Ratio t = a && b ? zeal_bench::ratio(a->step_s, b->step_s) : zeal_bench::Ratio{};
+    const zeal_bench::Ratio m = a && b ? zeal_bench::ratio(a->peak_bytes, b->peak_bytes) : zeal_bench::Ratio{};
+    zeal_bench::put_ratio(result, fmt::format("time_ratio_vs_{}", key), t);
+    zeal_bench::put_ratio(result, fmt::format("memory_ratio_vs_{}", key), m);
+    if (t.valid) std::printf("%s: time %s, peak memory %s\n", label, t.text(3).c_str(), m.text(3).c_str());
+  };
+  std::printf("\nRatios, median over rounds (min–max of the per-round ratios):\n");
+  pair("fsdp2", "zeal stage 3 / FSDP2 (goal: <= 1.0 for both)", find("zeal stage 3"), find("PyTorch FSDP2"));
+  const Row* s0 = find("zeal stage 0");
+  const Row* ddp = find("PyTorch DDP");
+  {
+    const zeal_bench::Ratio t = s0 && ddp ? zeal_bench::ratio(s0->step_s, ddp->step_s) : zeal_bench::Ratio{};
+    const zeal_bench::Ratio m = s0 && ddp ? zeal_bench::ratio(s0->peak_bytes, ddp->peak_bytes) : zeal_bench::Ratio{};
+    zeal_bench::put_ratio(result, "stage0_time_ratio_vs_ddp", t);
+    zeal_bench::put_ratio(result, "stage0_memory_ratio_vs_ddp", m);
+    if (t.valid) std::printf("zeal stage 0 / DDP: time %s, peak memory %s\n", t.text(3).c_str(), m.text(3).c_str());
   }
-  if (s3 && fsdp2 && fsdp2->ok) {
-    result["time_ratio_vs_fsdp2"] = s3->median() / fsdp2->median();
-    result["memory_ratio_vs_fsdp2"] = s3->peak_bytes / fsdp2->peak_bytes;
-    std::printf("\nzeal stage 3 / FSDP2: time %.3f, peak memory %.3f (goal: <= 1.0 for both)\n",
-                s3->median() / fsdp2->median(), s3->peak_bytes / fsdp2->peak_bytes);
-  } else {
-    result["time_ratio_vs_fsdp2"] = nullptr;
-    result["memory_ratio_vs_fsdp2"] = nullptr;
-  }
-  if (s0 && ddp && ddp->ok) {
-    result["stage0_time_ratio_vs_ddp"] = s0->median() / ddp->median();
-    result["stage0_memory_ratio_vs_ddp"] = s0->peak_bytes / ddp->peak_bytes;
-    std::printf("zeal stage 0 / DDP: time %.3f, peak memory %.3f\n", s0->median() / ddp->median(),
-                s0->peak_bytes / ddp->peak_bytes);
-  }
+  std::printf("\n");
+  env.print();
+  result["environment"] = env.json();
   std::remove(dir.c_str());
   if (!o.json_path.empty()) {
     std::ofstream(o.json_path) << result.dump(2) << "\n";
