@@ -90,7 +90,43 @@ class Communicator {
   // Number of collectives this communicator has issued (the sequence number of the last one).
   virtual uint64_t sequence() const = 0;
 
+  // The optimizer step and micro-step this rank is in: part of every collective's description, so
+  // hang reports and ZEAL_DEBUG_COLLECTIVES name them, and a rank one micro-step ahead is caught.
+  virtual void set_progress(int64_t step, int64_t micro_step) = 0;
+  // An agreement point: every rank calls it at the same point of its program (`where`, e.g. "end of
+  // backward"). Through the rendezvous store (not a collective, so it cannot pair with another
+  // one), it checks that every rank reached the same point having issued the same collectives since
+  // the last agreement point; throws CommError naming both sides of the first difference, or the
+  // ranks that did not arrive within the timeout with what each was doing.
+  virtual void check_agreement(const std::string& where) = 0;
+  // The deadline of every collective and agreement point from now on, in seconds.
+  virtual void set_timeout(double seconds) = 0;
+
+  // The label of the collectives this communicator issues now (see CollectiveLabel).
+  const std::string& label() const { return label_; }
+  void set_label(std::string label) { label_ = std::move(label); }
+
   int64_t shard_size(int64_t total) const { return (total + world_size() - 1) / world_size(); }
+
+ private:
+  std::string label_;
+};
+
+// While it lives, the collectives `comm` issues are described as `op[label]` — for stage 3
+// `all_gather[blocks.3, pre_backward]` — in hang reports, ZEAL_DEBUG_COLLECTIVES and agreement
+// checks. Labels nest; the previous one comes back.
+class CollectiveLabel {
+ public:
+  CollectiveLabel(Communicator& comm, std::string label) : comm_(comm), prev_(comm.label()) {
+    comm_.set_label(std::move(label));
+  }
+  ~CollectiveLabel() { comm_.set_label(std::move(prev_)); }
+  CollectiveLabel(const CollectiveLabel&) = delete;
+  CollectiveLabel& operator=(const CollectiveLabel&) = delete;
+
+ private:
+  Communicator& comm_;
+  std::string prev_;
 };
 
 }  // namespace zeal

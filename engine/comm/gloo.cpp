@@ -66,6 +66,7 @@ std::shared_ptr<::gloo::transport::Device> make_device(const std::string& master
 }
 
 constexpr int64_t kSegmentBytes = 4 << 20;
+constexpr int64_t kWindowSegments = 2;  // segments through the ring at once in a reduce-scatter
 
 std::string dtype_of(const at::Tensor& t) { return dtype_name(c10::toString(t.scalar_type())); }
 
@@ -180,6 +181,11 @@ class GlooCommunicator final : public Communicator {
   int world_size() const override { return world_; }
   std::string backend() const override { return "gloo"; }
   uint64_t sequence() const override { return monitor_.sequence(); }
+  void set_progress(int64_t step, int64_t micro_step) override { monitor_.set_progress(step, micro_step); }
+  void check_agreement(const std::string& where) override { monitor_.check_agreement(where); }
+  void set_timeout(double seconds) override {
+    monitor_.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)));
+  }
 
   Work all_gather(const at::Tensor& shard, const at::Tensor& output) override {
     const int64_t s = check_shard("all_gather", shard, output, "output");
@@ -201,14 +207,15 @@ class GlooCommunicator final : public Communicator {
     const uint64_t seq = monitor_.sequence();
     at::Tensor in = input.view({-1});
     at::Tensor out = shard.view({-1});
-    auto task = std::make_shared<std::packaged_task<void()>>([this, in, out, s, seq, op] {
-      ring_reduce_scatter(in, out, s, seq, op);
-      if (op == ReduceOp::kAvg) divide(out, world_);
-    });
-    work->future = task->get_future().share();
+    auto done = std::make_shared<std::promise<void>>();
+    work->future = done->get_future().share();
     {
       std::lock_guard<std::mutex> lock(ring_mu_);
-      ring_queue_.push_back([task] { (*task)(); });
+      ring_queue_.push_back({[this, in, out, s, seq, op] {
+                               ring_reduce_scatter(in, out, s, seq, op);
+                               if (op == ReduceOp::kAvg) divide(out, world_);
+                             },
+                             std::move(done)});
     }
     ring_cv_.notify_one();
     return Work(work);
@@ -248,7 +255,7 @@ class GlooCommunicator final : public Communicator {
 
  private:
   std::shared_ptr<GlooWork> start(std::string name, int64_t numel, std::string dtype) {
-    return std::make_shared<GlooWork>(&monitor_, monitor_.begin(std::move(name), numel, std::move(dtype)));
+    return std::make_shared<GlooWork>(&monitor_, monitor_.begin(std::move(name), label(), numel, std::move(dtype)));
   }
 
   // Both tensors usable, and the shard the size and dtype that `flat` over world_ ranks needs;
@@ -275,67 +282,74 @@ class GlooCommunicator final : public Communicator {
   }
 
   // Ring reduce-scatter of `in` (world_ chunks of s elements, the tail zero-padded) into `out`:
-  // in step k rank r sends its running sum of chunk r-k-1 to r+1 and receives r-1's running sum
-  // of chunk r-k-2, adding its own part. After world-1 steps it holds chunk r summed over all
-  // ranks. Each rank sends and receives (world-1)·s elements, and only chunk-sized scratch
-  // buffers (kept between calls) are touched: the input is read once and never copied whole.
+  // in step k rank r sends its running sum of chunk r-k-1 to r+1 and receives r-1's running sum of
+  // chunk r-k-2, adding its own part. After world-1 steps it holds chunk r summed over all ranks.
+  // Each rank sends and receives (world-1)·s elements. The chunk goes in windows of a few segments,
+  // each window through the whole ring, so the scratch is three windows (what arrives, and two
+  // running sums: the one being sent and the next): 3 × min(2 segments of 4 MiB, a chunk), whatever
+  // the buffer's size; the input is read, never written.
   void ring_reduce_scatter(const at::Tensor& in, const at::Tensor& out, int64_t s, uint64_t seq, ReduceOp op) {
     const int64_t n = in.numel();
-    // Chunk c of the input, padded with zeros where it runs past the end.
-    auto chunk = [&](int64_t c) -> at::Tensor {
-      const int64_t begin = c * s;
-      if (begin + s <= n) return in.narrow(0, begin, s);
-      at::Tensor padded = at::zeros({s}, in.options());
+    // [off, off + len) of chunk c of the input, padded with zeros where it runs past the end.
+    auto piece = [&](int64_t c, int64_t off, int64_t len) -> at::Tensor {
+      const int64_t begin = c * s + off;
+      if (begin + len <= n) return in.narrow(0, begin, len);
+      at::Tensor padded = at::zeros({len}, in.options());
       if (begin < n) padded.narrow(0, 0, n - begin).copy_(in.narrow(0, begin, n - begin));
       return padded;
     };
     if (world_ == 1 || s == 0) {
-      if (s > 0) out.copy_(chunk(rank_));
+      if (s > 0) out.copy_(piece(rank_, 0, s));
       return;
     }
-    scratch(in, s);
     const int next = (rank_ + 1) % world_, prev = (rank_ + world_ - 1) % world_;
-    // Each step's chunk goes in segments, all posted at once, so a large chunk streams instead of
-    // waiting on one huge message; the segment count stays within the tag's 10 bits.
+    // Segments of a chunk travel as separate messages; their count stays within the tag's 10 bits.
     const int64_t seg = std::max<int64_t>((s + 1023) / 1024, kSegmentBytes / static_cast<int64_t>(in.element_size()));
     const int64_t nseg = (s + seg - 1) / seg;
-    at::Tensor incoming = scratch_[0].narrow(0, 0, s);
-    at::Tensor sending = chunk(((rank_ - 1) % world_ + world_) % world_);
-    for (int k = 0; k + 1 < world_; ++k) {
-      const int64_t recv_chunk = ((rank_ - k - 2) % world_ + world_) % world_;
-      std::vector<c10::intrusive_ptr<c10d::Work>> works;
-      for (int64_t g = 0; g < nseg; ++g) {
-        const int64_t off = g * seg, len = std::min(seg, s - off);
-        const int tag = static_cast<int>(((seq & 0x3FF) << 20) | (static_cast<uint64_t>(k & 0x3FF) << 10) |
-                                         static_cast<uint64_t>(g));
-        std::vector<at::Tensor> rx{incoming.narrow(0, off, len)};
-        std::vector<at::Tensor> tx{sending.narrow(0, off, len)};
-        works.push_back(pg_->recv(rx, prev, tag));
-        works.push_back(pg_->send(tx, next, tag));
+    const int64_t window = std::min(kWindowSegments * seg, s);
+    // Kept between calls and only grown (c10d's send and receive works may hold a buffer a moment
+    // after they complete, so a buffer made per call would linger unpredictably).
+    if (!scratch_[0].defined() || scratch_[0].scalar_type() != in.scalar_type() || scratch_[0].numel() < window) {
+      for (auto& t : scratch_) t = at::empty({window}, in.options());
+    }
+    at::Tensor* scratch = scratch_;
+    auto mod = [&](int64_t x) { return ((x % world_) + world_) % world_; };
+    for (int64_t first = 0; first < nseg; first += kWindowSegments) {
+      const int64_t begin = first * seg, len = std::min(window, s - begin);
+      at::Tensor sending = piece(mod(rank_ - 1), begin, len);
+      for (int k = 0; k + 1 < world_; ++k) {
+        const int64_t recv_chunk = mod(rank_ - k - 2);
+        at::Tensor incoming = scratch[0].narrow(0, 0, len);
+        std::vector<c10::intrusive_ptr<c10d::Work>> works;
+        for (int64_t off = 0, g = first; off < len; off += seg, ++g) {
+          const int64_t m = std::min(seg, len - off);
+          const int tag = static_cast<int>(((seq & 0x3FF) << 20) | (static_cast<uint64_t>(k & 0x3FF) << 10) |
+                                           static_cast<uint64_t>(g));
+          std::vector<at::Tensor> rx{incoming.narrow(0, off, m)};
+          std::vector<at::Tensor> tx{sending.narrow(0, off, m)};
+          works.push_back(pg_->recv(rx, prev, tag));
+          works.push_back(pg_->send(tx, next, tag));
+        }
+        for (auto& w : works) {
+          if (!w->wait(monitor_.timeout())) throw std::runtime_error("Timed out");
+        }
+        // The running sum goes to the buffer not being sent; the last one is the result.
+        at::Tensor sum = k + 2 == world_ ? out.narrow(0, begin, len) : scratch[1 + (k % 2)].narrow(0, 0, len);
+        if (op == ReduceOp::kMax) {
+          at::maximum_out(sum, incoming, piece(recv_chunk, begin, len));
+        } else {
+          at::add_out(sum, incoming, piece(recv_chunk, begin, len));
+        }
+        sending = sum;
       }
-      for (auto& w : works) {
-        if (!w->wait(monitor_.timeout())) throw std::runtime_error("Timed out");
-      }
-      // The running sum goes to the buffer not being sent; the last one is the result.
-      at::Tensor sum = k + 2 == world_ ? out : scratch_[1 + (k % 2)].narrow(0, 0, s);
-      if (op == ReduceOp::kMax) {
-        at::maximum_out(sum, incoming, chunk(recv_chunk));
-      } else {
-        at::add_out(sum, incoming, chunk(recv_chunk));
-      }
-      sending = sum;
     }
   }
 
-  // Three chunk-sized buffers of in's dtype, reused while they are big enough.
-  void scratch(const at::Tensor& like, int64_t s) {
-    if (scratch_[0].defined() && scratch_[0].scalar_type() == like.scalar_type() && scratch_[0].numel() >= s) return;
-    for (auto& t : scratch_) t = at::empty({s}, like.options());
-  }
-
+  // Runs the queued reduce-scatters in order. A job's tensors are released before its completion is
+  // signalled, so a caller that sees the collective done holds the only references left.
   void ring_loop() {
     for (;;) {
-      std::function<void()> job;
+      RingJob job;
       {
         std::unique_lock<std::mutex> lock(ring_mu_);
         ring_cv_.wait(lock, [this] { return ring_stop_ || !ring_queue_.empty(); });
@@ -343,7 +357,15 @@ class GlooCommunicator final : public Communicator {
         job = std::move(ring_queue_.front());
         ring_queue_.pop_front();
       }
-      job();  // a packaged_task: exceptions go to its future
+      std::exception_ptr error;
+      try {
+        job.run();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      job.run = nullptr;
+      if (error) job.done->set_exception(error);
+      else job.done->set_value();
     }
   }
 
@@ -352,10 +374,14 @@ class GlooCommunicator final : public Communicator {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::mutex ring_mu_;
   std::condition_variable ring_cv_;
-  std::deque<std::function<void()>> ring_queue_;
+  at::Tensor scratch_[3];  // three windows of the largest reduce-scatter so far; the ring thread's
+  struct RingJob {
+    std::function<void()> run;
+    std::shared_ptr<std::promise<void>> done;
+  };
+  std::deque<RingJob> ring_queue_;
   bool ring_stop_ = false;
   std::thread ring_thread_;
-  at::Tensor scratch_[3];  // used only on the ring thread
 };
 
 }  // namespace

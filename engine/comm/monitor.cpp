@@ -10,6 +10,7 @@ namespace {
 
 constexpr auto kHeartbeat = std::chrono::milliseconds(100);
 constexpr auto kAliveEvery = std::chrono::milliseconds(250);
+constexpr size_t kAgreementLog = 512;  // signatures kept between agreement points to name a difference
 
 std::string to_text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 std::vector<uint8_t> to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
@@ -22,9 +23,13 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 }  // namespace
 
-std::string OpInfo::describe() const {
-  return fmt::format("collective #{} {} of {} {}", seq, name, numel, dtype);
+std::string OpInfo::signature() const {
+  std::string s = fmt::format("{} of {} {}", name, numel, dtype);
+  if (step >= 0) s += fmt::format(" at step {}, micro-step {}", step, micro_step);
+  return s;
 }
+
+std::string OpInfo::describe() const { return fmt::format("collective #{} {}", seq, signature()); }
 
 std::string dtype_name(const std::string& n) {
   static const std::map<std::string, std::string> names = {
@@ -37,7 +42,7 @@ std::string dtype_name(const std::string& n) {
 
 Monitor::Monitor(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank, int world,
                  std::chrono::milliseconds timeout, bool debug)
-    : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), world_(world), timeout_(timeout),
+    : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), world_(world), timeout_ms_(timeout.count()),
       debug_(debug) {
   store_->set(fmt::format("{}progress/{}", prefix_, rank_), to_bytes("0 0 none"));
   thread_ = std::thread([this] { heartbeat(); });
@@ -77,26 +82,39 @@ void Monitor::heartbeat() {
   }
 }
 
-OpInfo Monitor::begin(std::string name, int64_t numel, std::string dtype) {
-  OpInfo op{std::move(name), seq_.load() + 1, numel, std::move(dtype)};
+OpInfo Monitor::begin(std::string name, const std::string& label, int64_t numel, std::string dtype) {
+  if (!label.empty()) name += "[" + label + "]";
+  OpInfo op{std::move(name), seq_.load() + 1, numel, std::move(dtype), step_.load(), micro_.load()};
   seq_.store(op.seq);
   {
     std::lock_guard<std::mutex> lock(mu_);
     current_ = op;
   }
+  // The record the next agreement point compares (FNV-1a over the signatures).
+  const std::string sig = op.signature();
+  ++agreement_count_;
+  for (unsigned char c : sig) agreement_hash_ = (agreement_hash_ ^ c) * 1099511628211ull;
+  agreement_hash_ = (agreement_hash_ ^ 0xff) * 1099511628211ull;
+  if (recent_.size() < kAgreementLog) recent_.push_back(sig);
   if (debug_) compare(op);
   return op;
 }
 
+void Monitor::set_progress(int64_t step, int64_t micro_step) {
+  step_.store(step);
+  micro_.store(micro_step);
+}
+
 void Monitor::compare(const OpInfo& op) {
-  const std::string mine = fmt::format("{} of {} {}", op.name, op.numel, op.dtype);
+  const std::string mine = op.signature();
   store_->set(fmt::format("{}debug/{}/{}", prefix_, op.seq, rank_), to_bytes(mine));
   std::vector<std::string> keys;
   for (int r = 0; r < world_; ++r) keys.push_back(fmt::format("{}debug/{}/{}", prefix_, op.seq, r));
   try {
-    store_->wait(keys, timeout_);
+    store_->wait(keys, timeout());
   } catch (const std::exception& e) {
-    fail(op, std::string("ZEAL_DEBUG_COLLECTIVES check-in timed out: ") + e.what());
+    const std::string what = e.what();
+    fail(op, "ZEAL_DEBUG_COLLECTIVES check-in timed out: " + what.substr(0, what.find('\n')));
   }
   std::vector<std::string> lines;
   for (int r = 0; r < world_; ++r) {
@@ -121,9 +139,7 @@ void Monitor::compare(const OpInfo& op) {
   }
 }
 
-void Monitor::fail(const OpInfo& op, const std::string& cause) {
-  // Read every rank's progress twice, a few heartbeats apart: a rank whose beat did not move is
-  // no longer running (it exited, crashed or is stopped).
+std::vector<Monitor::Peer> Monitor::read_peers() {
   auto read_all = [&] {
     std::vector<std::string> states(world_);
     for (int r = 0; r < world_; ++r) {
@@ -139,30 +155,48 @@ void Monitor::fail(const OpInfo& op, const std::string& cause) {
   const auto first = read_all();
   std::this_thread::sleep_for(kAliveEvery * 3);
   const auto second = read_all();
+  std::vector<Peer> peers(world_);
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_ || second[r].empty()) continue;
+    std::istringstream in(second[r]);
+    uint64_t beat = 0;
+    Peer& p = peers[r];
+    p.known = true;
+    p.alive = first[r] != second[r];
+    in >> p.seq >> beat;
+    std::getline(in >> std::ws, p.what);
+  }
+  return peers;
+}
+
+void Monitor::fail(const OpInfo& op, const std::string& cause) {
+  const std::vector<Peer> peers = read_peers();
   std::vector<int> missing;
   std::vector<std::string> where;
+  bool all_same = true;
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
-    const std::string& state = second[r];
-    if (state.empty()) {
+    const Peer& p = peers[r];
+    if (!p.known) {
       missing.push_back(r);
+      all_same = false;
       where.push_back(fmt::format("rank {}: unknown (the store is unreachable)", r));
       continue;
     }
-    std::istringstream in(state);
-    uint64_t their = 0, beat = 0;
-    in >> their >> beat;
-    std::string what;
-    std::getline(in >> std::ws, what);
-    const bool alive = first[r] != second[r];
-    const std::string life = alive ? "" : " and is not responding (exited, crashed or stopped?)";
-    if (their < op.seq) {
+    const std::string life = p.alive ? "" : " and is not responding (exited, crashed or stopped?)";
+    if (p.seq < op.seq) {
       missing.push_back(r);
-      where.push_back(their == 0 ? fmt::format("rank {} has not entered any collective{}", r, life)
-                                 : fmt::format("rank {} is at {}{}", r, what, life));
-    } else if (their > op.seq) {
-      where.push_back(fmt::format("rank {} is already at {}{}", r, what, life));
-    } else if (!alive) {
+      all_same = false;
+      where.push_back(p.seq == 0 ? fmt::format("rank {} has not entered any collective{}", r, life)
+                                 : fmt::format("rank {} is at {}{}", r, p.what, life));
+    } else if (p.seq > op.seq) {
+      all_same = false;
+      where.push_back(fmt::format("rank {} is already at {}{}", r, p.what, life));
+    } else if (p.what != op.describe()) {
+      // The same sequence number in another operation: the ranks' programs went different ways.
+      all_same = false;
+      where.push_back(fmt::format("rank {} is at {}, a different operation{}", r, p.what, life));
+    } else if (!p.alive) {
       where.push_back(fmt::format("rank {} reached it{}", r, life));
     }
   }
@@ -170,12 +204,103 @@ void Monitor::fail(const OpInfo& op, const std::string& cause) {
   if (!missing.empty()) {
     msg += fmt::format("\n  missing: rank{} {} {} not reached it", missing.size() == 1 ? "" : "s", rank_list(missing),
                        missing.size() == 1 ? "has" : "have");
-  } else {
+  } else if (all_same) {
     msg += "\n  every rank reached it";
   }
   for (const auto& w : where) msg += "\n  " + w;
   msg += "\n  Every rank must issue the same collectives in the same order; run with ZEAL_DEBUG_COLLECTIVES=1 to check.";
   throw CommError(msg, op.name, op.seq, missing);
+}
+
+void Monitor::check_agreement(const std::string& where) {
+  const uint64_t k = ++agreements_;
+  const std::string head = fmt::format("{}|{}|{:016x}|{}|{}", where, agreement_count_, agreement_hash_, step_.load(),
+                                       micro_.load());
+  std::string record = head;
+  for (const auto& sig : recent_) record += "\n" + sig;
+  const uint64_t base = seq_.load() - agreement_count_;  // the sequence number before the first of them
+  agreement_count_ = 0;
+  agreement_hash_ = 1469598103934665603ull;
+  recent_.clear();
+  if (world_ == 1) return;
+  store_->set(fmt::format("{}agree/{}/{}", prefix_, k, rank_), to_bytes(record));
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_; ++r) keys.push_back(fmt::format("{}agree/{}/{}", prefix_, k, r));
+  try {
+    store_->wait(keys, timeout());
+  } catch (const std::exception&) {
+    std::vector<int> missing;
+    std::string msg = fmt::format("rank {}: agreement point #{} ({}) was not reached by every rank within {:g} s", rank_,
+                                  k, where, timeout().count() / 1000.0);
+    const std::vector<Peer> peers = read_peers();
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      bool arrived = false;
+      try {
+        arrived = store_->check({keys[r]});
+      } catch (const std::exception&) {
+      }
+      if (arrived) continue;
+      missing.push_back(r);
+      const Peer& p = peers[r];
+      msg += p.known ? fmt::format("\n  rank {} did not arrive: it is at {}{}", r, p.what,
+                                   p.alive ? "" : " and is not responding (exited, crashed or stopped?)")
+                     : fmt::format("\n  rank {} did not arrive (its progress is unknown)", r);
+    }
+    msg += "\n  Every rank must run the same engine calls in the same order (see README, \"Collective calls\").";
+    throw CommError(msg, "agreement(" + where + ")", seq_.load(), missing);
+  }
+  std::vector<std::string> lines;
+  auto split = [](const std::string& text) {
+    std::vector<std::string> out;
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);) out.push_back(line);
+    return out;
+  };
+  const std::vector<std::string> mine = split(record);
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    const std::vector<std::string> theirs = split(to_text(store_->get(keys[r])));
+    if (!theirs.empty() && theirs[0] == head) continue;
+    // Name the first collective where the two records part, else the point each rank reached.
+    std::string first;
+    const size_t n = std::min(mine.size(), theirs.size());
+    for (size_t i = 1; i < n && first.empty(); ++i) {
+      if (mine[i] != theirs[i]) {
+        first = fmt::format("collective #{}: rank {} issued {}, rank {} issued {}", base + i, rank_, mine[i], r, theirs[i]);
+      }
+    }
+    auto count_of = [](const std::vector<std::string>& rec) {
+      std::istringstream in(rec.empty() ? "" : rec[0]);
+      std::string where_part, count;
+      std::getline(in, where_part, '|');
+      std::getline(in, count, '|');
+      return std::make_pair(where_part, count);
+    };
+    const auto [their_where, their_count] = count_of(theirs);
+    if (first.empty() && mine.size() != theirs.size() && n < kAgreementLog) {
+      const auto& longer = mine.size() > theirs.size() ? mine : theirs;
+      const int who = mine.size() > theirs.size() ? rank_ : r;
+      first = fmt::format("collective #{}: rank {} issued {}, rank {} none", base + n, who, longer[n],
+                          who == rank_ ? r : rank_);
+    }
+    lines.push_back(fmt::format("rank {} reached '{}' after {} collectives, rank {} reached '{}' after {}{}", rank_,
+                                where, count_of(mine).second, r, their_where, their_count,
+                                first.empty() ? "" : "; first difference at " + first));
+  }
+  if (k > 2) {
+    try {
+      store_->deleteKey(fmt::format("{}agree/{}/{}", prefix_, k - 2, rank_));
+    } catch (const std::exception&) {
+    }
+  }
+  if (!lines.empty()) {
+    std::string msg = fmt::format("rank {}: the ranks went different ways before agreement point #{} ({}):", rank_, k, where);
+    for (const auto& l : lines) msg += "\n  " + l;
+    msg += "\n  Every rank must run the same engine calls in the same order; a stage-3 unit's forward, backward and "
+           "engine.gathered() are collective.";
+    throw CommError(msg, "agreement(" + where + ")", seq_.load(), {});
+  }
 }
 
 }  // namespace zeal::detail

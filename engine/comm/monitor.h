@@ -16,17 +16,22 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "engine/comm/communicator.h"
 
 namespace zeal::detail {
 
 struct OpInfo {
-  std::string name;   // "all_reduce(sum)"
+  std::string name;   // "all_reduce(sum)", "all_gather[blocks.3, pre_forward]"
   uint64_t seq = 0;
   int64_t numel = 0;
   std::string dtype;  // "float32"
-  std::string describe() const;  // "collective #7 all_reduce(sum) of 1000 float32"
+  int64_t step = -1, micro_step = -1;  // -1: not set by an engine
+  // What every rank must agree on: "all_gather[blocks.3, pre_forward] of 1000 float32 at step 4,
+  // micro-step 2" (no sequence number).
+  std::string signature() const;
+  std::string describe() const;  // "collective #7 " + signature()
 };
 
 class Monitor {
@@ -37,27 +42,45 @@ class Monitor {
   Monitor(const Monitor&) = delete;
   Monitor& operator=(const Monitor&) = delete;
 
-  // Enters the next collective; in debug mode checks it against every rank (throws CommError).
-  OpInfo begin(std::string name, int64_t numel, std::string dtype);
+  // Enters the next collective (`name` gets the communicator's label); in debug mode checks it
+  // against every rank (throws CommError).
+  OpInfo begin(std::string name, const std::string& label, int64_t numel, std::string dtype);
+  void set_progress(int64_t step, int64_t micro_step);
+  // Communicator::check_agreement.
+  void check_agreement(const std::string& where);
   // Throws the CommError for `op`, which failed with `cause` (an exception's text).
   [[noreturn]] void fail(const OpInfo& op, const std::string& cause);
 
-  std::chrono::milliseconds timeout() const { return timeout_; }
+  std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeout_ms_.load()); }
+  void set_timeout(std::chrono::milliseconds t) { timeout_ms_.store(t.count()); }
   uint64_t sequence() const { return seq_.load(); }
   int rank() const { return rank_; }
 
  private:
   void heartbeat();
   void compare(const OpInfo& op);
+  // What each other rank posted as its progress, read twice a few heartbeats apart: a rank whose
+  // beat did not move is no longer running.
+  struct Peer {
+    bool known = false, alive = false;
+    uint64_t seq = 0;
+    std::string what;  // its describe()
+  };
+  std::vector<Peer> read_peers();
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::string prefix_;
   int rank_, world_;
-  std::chrono::milliseconds timeout_;
+  std::atomic<int64_t> timeout_ms_;
   bool debug_;
   std::atomic<uint64_t> seq_{0};
   std::mutex mu_;
   OpInfo current_;  // the collective last entered (seq 0: none yet), guarded by mu_
+  std::atomic<int64_t> step_{-1}, micro_{-1};
+  // Since the last agreement point: how many collectives, a hash of their signatures, and the last
+  // few of them (to name the first difference). Touched only by the thread issuing collectives.
+  uint64_t agreement_count_ = 0, agreement_hash_ = 1469598103934665603ull, agreements_ = 0;
+  std::vector<std::string> recent_;
   std::condition_variable cv_;
   bool stop_ = false;
   std::thread thread_;

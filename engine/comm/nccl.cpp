@@ -127,6 +127,11 @@ class NcclCommunicator final : public Communicator {
   int world_size() const override { return world_; }
   std::string backend() const override { return "nccl"; }
   uint64_t sequence() const override { return monitor_.sequence(); }
+  void set_progress(int64_t step, int64_t micro_step) override { monitor_.set_progress(step, micro_step); }
+  void check_agreement(const std::string& where) override { monitor_.check_agreement(where); }
+  void set_timeout(double seconds) override {
+    monitor_.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)));
+  }
 
   Work all_gather(const at::Tensor& shard, const at::Tensor& output) override {
     check(shard, "all_gather");
@@ -193,7 +198,7 @@ class NcclCommunicator final : public Communicator {
 
  private:
   std::shared_ptr<NcclWork> start(std::string name, const at::Tensor& t) {
-    OpInfo info = monitor_.begin(std::move(name), t.numel(), dtype_name(c10::toString(t.scalar_type())));
+    OpInfo info = monitor_.begin(std::move(name), label(), t.numel(), dtype_name(c10::toString(t.scalar_type())));
     cuda_check(cudaSetDevice(device_), "cudaSetDevice");
     cuda_check(cudaEventRecord(ready_, compute_), "cudaEventRecord");
     cuda_check(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent");
