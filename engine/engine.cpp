@@ -45,6 +45,8 @@ struct Engine::State {
   std::shared_ptr<data::Progress> progress = std::make_shared<data::Progress>();
   int64_t loader_batch_size = 0;
   bool backward_in_micro_step = false, grads_pending = false;
+  int64_t micro_steps_begun = 0;  // every micro-step so far (collectives' descriptions, agreement points)
+  int64_t passes_seen = 0;        // backward passes the sharding had ended at the last step
   // engine.init: slices of partitioned parameters (until Stage3 takes them), what it measured.
   std::shared_ptr<zero::InitShards> init_shards;
   zero::InitReport init_report;
@@ -59,6 +61,13 @@ at::ScalarType dtype_of(Precision p) {
     case Precision::kBf16: return at::kBFloat16;
     default: return at::kFloat;
   }
+}
+
+// The dtype gradients are summed or reduced in: the config's ("fp32", "fp16", "bf16"), fp32 when unset.
+at::ScalarType grad_dtype(const std::string& name) {
+  if (name == "fp16") return at::kHalf;
+  if (name == "bf16") return at::kBFloat16;
+  return at::kFloat;
 }
 
 // Adam's and AdamW's options have the same fields.
@@ -156,6 +165,11 @@ void Engine::init() {
                                                                    at::detail::getCUDAHooks().deviceCount()));
   }
   if (config_.precision() == Precision::kFp16) state_->scaler = std::make_unique<LossScaler>(config_.fp16);
+  // A comm_timeout the config sets explicitly applies to a runtime made elsewhere (zeal::spawn) too.
+  auto origin = config_.origins.find("comm_timeout");
+  if (origin != config_.origins.end() && origin->second.kind != Origin::Kind::kDefault) {
+    runtime_->comm().set_timeout(config_.launch.comm_timeout);
+  }
 }
 
 Communicator& Engine::comm() { return device_.is_cuda() ? runtime_->cuda_comm() : runtime_->comm(); }
@@ -316,18 +330,19 @@ void Engine::build_zero() {
     if (at::isFloatingType(p.scalar_type()) && p.scalar_type() != compute_dtype_) p.set_data(p.to(compute_dtype_));
   }
   if (stage3) {
-    if (groups.size() != 1) {
-      throw Error(fmt::format("stage 3 takes one parameter group; the optimizer has {}", groups.size()));
-    }
     zero::Stage3Options o3;
     o3.compute_dtype = compute_dtype_;
+    o3.grad_accum_dtype = grad_dtype(config_.grad_accum_dtype);
+    o3.comm_dtype = grad_dtype(config_.communication_data_type);
     o3.prefetch_elems = config_.zero.stage3_prefetch_bucket_size.value;
     o3.persistence_threshold = config_.zero.stage3_param_persistence_threshold.value;
     o3.max_live_elems = config_.zero.stage3_max_live_parameters;
     o3.prefetch = o3.prefetch_elems > 0;
     o3.max_reuse_elems = config_.zero.stage3_max_reuse_distance;
     o3.device = device_;
-    state_->zero = std::make_unique<zero::Stage3>(c, module, std::move(groups[0].optimizer), o3, state_->init_shards);
+    std::vector<zero::Stage3::Group> g3;
+    for (auto& g : groups) g3.push_back({std::move(g.params), std::move(g.names), std::move(g.optimizer)});
+    state_->zero = std::make_unique<zero::Stage3>(c, module, std::move(g3), o3, state_->init_shards);
     state_->init_shards.reset();
     state_->config_schedule = optim::make_schedule(config_.scheduler, state_->base_lrs.at(0));
     return;
@@ -335,6 +350,8 @@ void Engine::build_zero() {
   zero::GroupOptions o;
   o.stage = static_cast<int>(config_.zero.stage);
   o.compute_dtype = compute_dtype_;
+  o.grad_accum_dtype = grad_dtype(config_.grad_accum_dtype);
+  o.comm_dtype = grad_dtype(config_.communication_data_type);
   o.bucket_elems = config_.zero.reduce_bucket_size.value;
   o.overlap_comm = config_.zero.overlap_comm;
   state_->zero = std::make_unique<zero::ZeroOptimizer>(c, std::move(groups), o);
@@ -363,21 +380,39 @@ void Engine::begin_micro_step() {
     sync_ = micro_steps_ % accumulation_steps_ == 0;
   }
   state_->backward_in_micro_step = false;
+  ++state_->micro_steps_begun;
+  comm().set_progress(optimizer_steps_, state_->micro_steps_begun);
   if (state_->zero) state_->zero->begin_micro_step(sync_);
 }
 
 void Engine::backward(const at::Tensor& loss) {
   if (!state_->zero) throw Error("engine.backward: prepare the model and an optimizer first");
   if (!guard_open_) begin_micro_step();
-  if (state_->backward_in_micro_step && (sync_ || state_->zero->stage() >= 2)) {
-    throw Error("engine.backward was called twice in one micro-step; add the losses and call it once");
+  // Stages 0 and 1 reduce the gradient buffer in place on the sync micro-step: a second backward
+  // would add local gradients to reduced ones. Stages 2 and 3 reduce each pass's own gradients.
+  if (state_->backward_in_micro_step && sync_ && state_->zero->stage() < 2) {
+    throw Error("engine.backward was called twice in the micro-step that synchronizes gradients (stages 0 and 1 "
+                "reduce them in place); add the losses and call it once");
   }
   state_->backward_in_micro_step = true;
   double factor = 1.0 / static_cast<double>(accumulation_steps_);
   if (state_->scaler) factor *= state_->scaler->scale();
-  (factor == 1.0 ? loss : loss * factor).backward();
+  try {
+    (factor == 1.0 ? loss : loss * factor).backward();
+  } catch (...) {
+    // The pass ended with an error (a hook that threw, a failed collective): what it reduced is
+    // finished and dropped, and the next step is skipped; the engine stays usable.
+    state_->zero->notice_abandoned();
+    state_->grads_pending = true;
+    throw;
+  }
   state_->zero->end_backward();
   state_->grads_pending = true;
+}
+
+at::Tensor Engine::full_grad(const at::Tensor& param) {
+  if (!state_->zero) throw Error("engine.full_grad: prepare the model and an optimizer first");
+  return state_->zero->full_grad(param, inv_scale());
 }
 
 double Engine::inv_scale() const { return state_->scaler ? 1.0 / state_->scaler->scale() : 1.0; }
@@ -401,12 +436,21 @@ std::vector<double> Engine::learning_rates() const {
 
 void Engine::step() {
   if (!state_->zero) throw Error("engine.step: prepare the model and an optimizer first");
+  // A backward the program ran itself (loss.backward()) leaves gradients too.
+  if (const int64_t passes = state_->zero->backward_passes(); passes != state_->passes_seen) {
+    state_->passes_seen = passes;
+    state_->grads_pending = true;
+  }
   if (!sync_ || !state_->grads_pending) return;
   const double clip = config_.gradient_clipping.value;
   const auto r = state_->zero->step(inv_scale(), clip, learning_rates());
   state_->grads_pending = false;
   last_grad_norm_ = r.grad_norm;
   last_step_skipped_ = !r.stepped;
+  if (!r.abandoned.empty()) {
+    if (is_main_process()) std::cerr << fmt::format("zeal: optimizer step {} skipped: {}\n", optimizer_steps_ + 1, r.abandoned);
+    return;
+  }
   if (state_->scaler) {
     state_->scaler->update(!r.stepped);
   } else if (!r.stepped && is_main_process()) {
@@ -627,11 +671,13 @@ Engine::Gathered::~Gathered() noexcept(false) {
 }
 
 void Engine::reset_peak_memory() {
-  if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) s3->reset_peak();
+  if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) s3->fetch().reset_peak();
 }
 
 Engine::FetchCounts Engine::fetch_counts() const {
-  if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) return {s3->gathers(), s3->prefetched(), s3->on_demand()};
+  if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) {
+    return {s3->fetch().gathers(), s3->fetch().prefetched(), s3->fetch().retraced()};
+  }
   return {};
 }
 
@@ -654,9 +700,9 @@ MemoryReport Engine::memory() const {
   }
   if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) {
     m.frozen_params = s3->frozen_bytes();
-    m.gathered = s3->gathered_bytes();
-    m.gathered_peak = s3->peak_gathered_bytes();
-    m.gathered_bound = s3->gathered_bound();
+    m.gathered = s3->fetch().gathered();
+    m.gathered_peak = s3->fetch().peak();
+    m.gathered_bound = s3->fetch().bound();
   }
   if (state_->module) {
     for (auto& p : state_->module->parameters(true)) {

@@ -161,6 +161,11 @@ class Engine {
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);
   void clip_grad_value_(double clip_value);
   bool optimizer_step_was_skipped() const { return last_step_skipped_; }
+  // DeepSpeed's safe_get_full_grad: the full gradient of `param` after backward and before the step,
+  // every rank's contribution reduced, the fp16 loss scale removed, before clipping (the
+  // accumulation dtype: fp32 unless the config says otherwise). In stages 1-3 it is gathered from
+  // the shards: collective, every rank calls it for the same parameters.
+  at::Tensor full_grad(const at::Tensor& param);
   double last_grad_norm() const { return last_grad_norm_; }
   double loss_scale() const;
 

@@ -105,6 +105,12 @@ struct OptimizerConfig {
   Auto<double> weight_decay{0.0};
   double momentum = 0.0;
   bool nesterov = false;
+  // DeepSpeed's Adam keys. `adam_w_mode` (default true) makes "type": "Adam" decoupled weight decay
+  // (AdamW), DeepSpeed's rule; false gives Adam with L2 decay (torch.optim.Adam). Without
+  // `bias_correction` the moments are used as they are (no 1/(1 − βᵗ)). `amsgrad` is refused.
+  bool adam_w_mode = true;
+  bool bias_correction = true;
+  bool amsgrad = false;
   bool operator==(const OptimizerConfig&) const = default;
 };
 
@@ -165,6 +171,11 @@ struct Config {
   Auto<int64_t> train_micro_batch_size_per_gpu{0};   // 0: not set, taken from the data loader
   Auto<int64_t> gradient_accumulation_steps{1};
   Auto<double> gradient_clipping{0.0};               // 0: off
+  // The dtypes gradients are summed in across micro-steps (DeepSpeed's data_types.grad_accum_dtype)
+  // and reduced across ranks in (communication_data_type): fp32, fp16 or bf16; empty means fp32
+  // (16-bit sums lose the small contributions of later micro-steps and ranks).
+  std::string grad_accum_dtype;
+  std::string communication_data_type;
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
   int64_t steps_per_print = 10;

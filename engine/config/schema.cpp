@@ -381,6 +381,10 @@ std::vector<Field> make_fields() {
   f.push_back(float_field("fp16.min_loss_scale", ZEAL_GET(fp16.min_loss_scale), kPositive,
                           "The scale never goes below this"));
   f.push_back(auto_bool("bf16.enabled", ZEAL_GET(bf16_enabled), "bf16 compute with fp32 master weights"));
+  f.push_back(enum_field("data_types.grad_accum_dtype", ZEAL_GET(grad_accum_dtype), {"fp32", "fp16", "bf16"},
+                         "Dtype gradients are summed in across micro-steps (empty: fp32)", true));
+  f.push_back(enum_field("communication_data_type", ZEAL_GET(communication_data_type), {"fp32", "fp16", "bf16"},
+                         "Dtype gradients are reduced across ranks in (empty: fp32; 16 bits divide first)", true));
   // Optimizer and schedule.
   f.push_back(enum_field("optimizer.type", ZEAL_GET(optimizer.type), {"Adam", "AdamW", "SGD"},
                          "Optimizer zeal builds (empty: the program passes its own)", true));
@@ -400,6 +404,12 @@ std::vector<Field> make_fields() {
                          "Weight decay (decoupled for AdamW)"));
   f.push_back(float_field("optimizer.params.momentum", ZEAL_GET(optimizer.momentum), kUnit, "SGD momentum"));
   f.push_back(bool_field("optimizer.params.nesterov", ZEAL_GET(optimizer.nesterov), "SGD Nesterov momentum"));
+  f.push_back(bool_field("optimizer.params.adam_w_mode", ZEAL_GET(optimizer.adam_w_mode),
+                         "type Adam: decoupled weight decay (AdamW, DeepSpeed's default) or L2 (false)"));
+  f.push_back(bool_field("optimizer.params.bias_correction", ZEAL_GET(optimizer.bias_correction),
+                         "Adam: divide the moments by 1 − βᵗ"));
+  f.push_back(bool_field("optimizer.params.amsgrad", ZEAL_GET(optimizer.amsgrad),
+                         "AMSGrad (not implemented: true is refused)"));
   f.push_back(enum_field("scheduler.type", ZEAL_GET(scheduler.type),
                          {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"},
                          "Learning-rate schedule zeal builds (empty: none or the program's own)", true));
@@ -425,9 +435,9 @@ std::map<std::string, std::string> make_not_applicable() {
   std::map<std::string, std::string> m;
   for (const char* k :
        {"fp8_config", "parallelism_config", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients",
-        "gradient_predivide_factor", "communication_data_type", "sparse_gradients", "memory_breakdown",
+        "gradient_predivide_factor", "sparse_gradients", "memory_breakdown",
         "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
-        "activation_checkpointing", "dump_state", "checkpoint", "data_types", "elasticity", "autotuning",
+        "activation_checkpointing", "dump_state", "checkpoint", "elasticity", "autotuning",
         "compression_training", "data_efficiency", "seq_parallel_communication_data_type", "fp16.auto_cast",
         "zero_optimization.load_from_fp32_weights", "zero_optimization.elastic_checkpoint",
         "zero_optimization.ignore_unused_parameters", "zero_optimization.memory_efficient_linear",
@@ -436,8 +446,7 @@ std::map<std::string, std::string> make_not_applicable() {
         "zero_optimization.zero_hpz_partition_size", "zero_optimization.zero_quantized_weights",
         "zero_optimization.zero_quantized_gradients", "zero_optimization.stage3_module_granularity_threshold",
         "zero_optimization.log_trace_cache_warnings", "aio.use_gds", "aio.intra_op_parallelism",
-        "bf16.immediate_grad_update", "bf16.check_grad_overflow", "optimizer.params.bias_correction",
-        "optimizer.params.adam_w_mode", "optimizer.params.torch_adam", "optimizer.params.amsgrad",
+        "bf16.immediate_grad_update", "bf16.check_grad_overflow", "optimizer.params.torch_adam",
         "scheduler.params.last_batch_iteration"})
     m[k] = unused;
   return m;

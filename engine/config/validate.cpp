@@ -233,6 +233,18 @@ std::vector<std::string> Config::validate() const {
     errors.push_back(fmt::format("{}: momentum belongs to SGD; {} uses betas",
                                  named(*this, "optimizer.params.momentum"),
                                  optimizer.type.empty() ? std::string("the optimizer") : optimizer.type));
+  if (optimizer.amsgrad)
+    errors.push_back(fmt::format("{}: zeal's Adam has no AMSGrad variant (it would change the update); set it to false "
+                                 "or leave it out",
+                                 named(*this, "optimizer.params.amsgrad")));
+  for (const char* key : {"optimizer.params.adam_w_mode", "optimizer.params.bias_correction"}) {
+    if (!sgd || !explicitly_set(*this, key)) continue;
+    errors.push_back(fmt::format("{}: belongs to Adam; SGD has no such setting", named(*this, key)));
+  }
+  if (optimizer.type == "AdamW" && !optimizer.adam_w_mode)
+    errors.push_back(fmt::format("{}: false contradicts optimizer.type AdamW (decoupled weight decay); use type Adam "
+                                 "for L2 weight decay",
+                                 named(*this, "optimizer.params.adam_w_mode")));
   if (sgd && optimizer.nesterov && optimizer.momentum <= 0.0)
     errors.push_back(fmt::format("{}: Nesterov momentum needs optimizer.params.momentum > 0",
                                  named(*this, "optimizer.params.nesterov")));

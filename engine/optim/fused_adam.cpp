@@ -47,6 +47,7 @@ class FusedAdam final : public AdamState {
     h.eps = hyper_.eps;
     h.weight_decay = hyper_.weight_decay;
     h.decoupled = decoupled_;
+    h.bias_correction = hyper_.bias_correction;
     h.step = steps_;
     h.grad_scale = grad_scale;
     if (params.is_cuda()) return cuda_step(h, params, segments);

@@ -44,8 +44,8 @@ class AdamImpl final : public AdamState {
         g = g.add(params, h.weight_decay);
       }
     }
-    const double bc1 = 1 - std::pow(h.beta1, static_cast<double>(steps_));
-    const double bc2 = 1 - std::pow(h.beta2, static_cast<double>(steps_));
+    const double bc1 = h.bias_correction ? 1 - std::pow(h.beta1, static_cast<double>(steps_)) : 1.0;
+    const double bc2 = h.bias_correction ? 1 - std::pow(h.beta2, static_cast<double>(steps_)) : 1.0;
     exp_avg_.mul_(h.beta1).add_(g, 1 - h.beta1);
     exp_avg_sq_.mul_(h.beta2).addcmul_(g, g, 1 - h.beta2);
     at::Tensor denom = (exp_avg_sq_.sqrt() / std::sqrt(bc2)).add_(h.eps);
@@ -121,8 +121,14 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& c, bool fused) 
   h.weight_decay = need(c.weight_decay, "weight_decay");
   h.momentum = c.momentum;
   h.nesterov = c.nesterov;
-  if (c.type == "Adam") return fused ? make_fused_adam(h) : make_adam(h);
-  if (c.type == "AdamW") return fused ? make_fused_adamw(h) : make_adamw(h);
+  h.bias_correction = c.bias_correction;
+  if (c.amsgrad) throw Error("optimizer.params.amsgrad: zeal's Adam has no AMSGrad variant");
+  // DeepSpeed's rule: "Adam" is AdamW (decoupled weight decay) unless adam_w_mode is false.
+  const bool decoupled = c.type == "AdamW" || (c.type == "Adam" && c.adam_w_mode);
+  if (c.type == "Adam" || c.type == "AdamW") {
+    if (decoupled) return fused ? make_fused_adamw(h) : make_adamw(h);
+    return fused ? make_fused_adam(h) : make_adam(h);
+  }
   if (c.type == "SGD") return make_sgd(h);
   throw Error(fmt::format("optimizer.type '{}' is not one zeal implements (Adam, AdamW, SGD){}", c.type,
                           c.type.empty() ? "; pass your own optimizer to the engine instead" : ""));

@@ -29,6 +29,7 @@ struct Hyper {
   double weight_decay = 0.0;
   double momentum = 0.0;  // SGD
   bool nesterov = false;  // SGD
+  bool bias_correction = true;  // Adam: divide the moments by 1 − βᵗ
 };
 
 // A piece of a partition for the fused path: `n` elements of the master weights and state from
@@ -91,9 +92,9 @@ std::unique_ptr<Optimizer> make_fused_adamw(const Hyper& h);
 // SGD with optional momentum (dampening 0), Nesterov, and L2 weight decay (torch.optim.SGD).
 std::unique_ptr<Optimizer> make_sgd(const Hyper& h);
 
-// The optimizer the config names ("Adam", "AdamW", "SGD"; DeepSpeed's "Adam" with
-// `adam_w_mode` is not a key zeal reads: "AdamW" is). Throws zeal::Error for an unknown type
-// or an unresolved "auto".
+// The optimizer the config names: "AdamW"; "Adam", which is AdamW unless optimizer.params.adam_w_mode
+// is false (DeepSpeed's rule: then Adam with L2 weight decay, torch.optim.Adam); "SGD". Throws
+// zeal::Error for an unknown type, amsgrad, or an unresolved "auto".
 // fused: Adam and AdamW with the fused kernels.
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config, bool fused = false);
 

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "engine/error.h"
+#include "engine/zero/flat_params.h"
 #include "engine/zero/grad_hook.h"
 
 namespace zeal::zero {
@@ -41,7 +42,8 @@ std::vector<std::vector<int>> cut_buckets(const std::vector<at::Tensor>& params,
 
 FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::vector<std::string> names,
                      std::unique_ptr<optim::Optimizer> optimizer, const GroupOptions& options)
-    : comm_(comm), opts_(options), params_(std::move(params)), names_(std::move(names)) {
+    : comm_(comm), opts_(options), params_(std::move(params)), names_(std::move(names)),
+      end_([this] { end_backward(); }, [this] { abandon(); }) {
   ZEAL_CHECK(names_.size() == params_.size()) << names_.size() << " names for " << params_.size() << " parameters";
   if (opts_.stage < 0 || opts_.stage > 2) throw Error(fmt::format("FlatGroup handles stages 0-2, not {}", opts_.stage));
   const int world = comm_.world_size(), rank = comm_.rank();
@@ -79,30 +81,23 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
   }
 
   // Every rank starts from rank 0's values, in fp32; the master is taken before the cast.
-  auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
-  at::Tensor init = at::zeros({padded_}, fp32);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    init.narrow(0, flat_offset_[i], params_[i].numel()).copy_(params_[i].detach().reshape({-1}));
-  }
-  if (world > 1 && padded_ > 0) comm_.broadcast(init, 0).wait();
-  at::Tensor master = at::empty({owned_total_}, fp32);
+  at::Tensor init = initial_flat_values(params_, flat_offset_, padded_, comm_, /*same_everywhere=*/false);
+  at::Tensor master = at::empty({owned_total_}, init.options());
   optimizer->allocate_state(master);
   for (int b = 0; b < num_buckets(); ++b) {
     master.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(init, b));
   }
   param_flat_ = opts_.compute_dtype == at::kFloat ? init : init.to(opts_.compute_dtype);
   init = at::Tensor();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor& p = params_[i];
-    p.set_data(param_flat_.narrow(0, flat_offset_[i], p.numel()).view(p.sizes()));
-    p.mutable_grad() = at::Tensor();
-  }
-  auto compute = at::TensorOptions().dtype(opts_.compute_dtype).device(device);
+  view_params_into(params_, param_flat_, flat_offset_);
+  auto accum = at::TensorOptions().dtype(opts_.grad_accum_dtype).device(device);
   if (opts_.stage < 2) {
-    grad_flat_ = at::zeros({padded_}, compute);
-    for (size_t i = 0; i < params_.size(); ++i) reattach_grad(static_cast<int>(i), false);
+    grad_flat_ = at::zeros({padded_}, accum);
+    if (grads_in_place()) {
+      for (size_t i = 0; i < params_.size(); ++i) reattach_grad(static_cast<int>(i), false);
+    }
   } else {
-    grad_part_ = at::zeros({owned_total_}, compute);
+    grad_part_ = at::zeros({owned_total_}, accum);
   }
   // The step works bucket by bucket on the owned regions. An fp32 copy of the owned gradients is
   // needed only off the fused path (or to clip by value), and where they already are fp32 laid out
@@ -112,7 +107,9 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
     pieces.push_back({buckets_[b].master_offset, owned_grad_view(b), owned_view(param_flat_, b)});
   }
   at::Tensor alias;
-  if (opts_.compute_dtype == at::kFloat) alias = opts_.stage == 2 ? grad_part_ : opts_.stage == 0 ? grad_flat_ : at::Tensor();
+  if (opts_.grad_accum_dtype == at::kFloat) {
+    alias = opts_.stage == 2 ? grad_part_ : opts_.stage == 0 ? grad_flat_ : at::Tensor();
+  }
   step_ = ShardStep(std::move(master), std::move(optimizer), std::move(pieces), alias);
 
   // A post hook on each parameter's gradient accumulator tells the group its gradient arrived.
@@ -160,8 +157,10 @@ void FlatGroup::reattach_grad(int i, bool overwrite) {
 }
 
 void FlatGroup::begin_micro_step(bool sync) {
+  end_.check();
   ZEAL_CHECK(in_flight_.empty()) << "a micro-step began with reductions in flight";
   sync_ = sync;
+  pass_ended_ = false;
   step_.reset();
   for (auto& b : buckets_) {
     b.arrived = 0;
@@ -171,20 +170,25 @@ void FlatGroup::begin_micro_step(bool sync) {
 }
 
 void FlatGroup::on_grad_ready(int i) {
+  end_.request();
   c10::NoGradGuard no_grad;
   Bucket& b = buckets_[bucket_of_[i]];
   if (b.launched) {
-    throw Error(fmt::format("the gradient of '{}' arrived after its bucket was reduced: call engine.backward once "
-                            "per micro-step (add the losses first)",
+    throw Error(fmt::format("the gradient of '{}' arrived after its bucket was reduced in this backward pass",
                             names_[i]));
   }
+  at::Tensor& p = params_[i];
   if (opts_.stage < 2) {
-    reattach_grad(i, true);
+    if (grads_in_place()) {
+      reattach_grad(i, true);
+    } else if (p.grad().defined()) {
+      grad_flat_.narrow(0, flat_offset_[i], p.numel()).add_(p.grad().reshape({-1}));
+      p.mutable_grad() = at::Tensor();
+    }
     if (!sync_) return;
   } else {
-    at::Tensor& p = params_[i];
     if (!b.staging.defined()) {
-      b.staging = at::zeros({b.layout.padded_total()}, p.options().dtype(opts_.compute_dtype));
+      b.staging = at::zeros({b.layout.padded_total()}, p.options().dtype(opts_.comm_dtype));
       staging_now_ += b.staging.nbytes();
       staging_peak_ = std::max(staging_peak_, staging_now_);
     }
@@ -206,21 +210,33 @@ void FlatGroup::launch_ready_buckets() {
 void FlatGroup::launch(int b) {
   Bucket& k = buckets_[b];
   k.launched = true;
-  Work work;
-  if (opts_.stage == 0) {
-    work = comm_.all_reduce(grad_flat_.narrow(0, k.offset, k.layout.padded_total()), ReduceOp::kAvg);
-  } else if (opts_.stage == 1) {
+  CollectiveLabel label(comm_, fmt::format("bucket {}", b));
+  // In 16 bits every rank's part is divided first (no overflow in the sum); in fp32 after the sum.
+  const bool predivide = at::elementSize(opts_.comm_dtype) < 4;
+  const ReduceOp op = predivide ? ReduceOp::kSum : ReduceOp::kAvg;
+  const int world = comm_.world_size();
+  InFlight f{b, {}, {}};
+  if (opts_.stage < 2) {
     at::Tensor region = grad_flat_.narrow(0, k.offset, k.layout.padded_total());
-    work = comm_.reduce_scatter(region, owned_view(grad_flat_, b), ReduceOp::kAvg);
+    at::Tensor buf = region;
+    if (opts_.comm_dtype != opts_.grad_accum_dtype) {
+      buf = predivide ? region.div(world).to(opts_.comm_dtype) : region.to(opts_.comm_dtype);
+      f.comm = buf;
+    } else if (predivide) {
+      buf.div_(world);
+    }
+    f.work = opts_.stage == 0 ? comm_.all_reduce(buf, op)
+                              : comm_.reduce_scatter(buf, buf.narrow(0, k.owned_begin, k.owned_len), op);
   } else {
     if (!k.staging.defined()) {
-      k.staging = at::zeros({k.layout.padded_total()}, grad_part_.options());
+      k.staging = at::zeros({k.layout.padded_total()}, grad_part_.options().dtype(opts_.comm_dtype));
       staging_now_ += k.staging.nbytes();
       staging_peak_ = std::max(staging_peak_, staging_now_);
     }
-    work = comm_.reduce_scatter(k.staging, k.staging.narrow(0, k.owned_begin, k.owned_len), ReduceOp::kAvg);
+    if (predivide) k.staging.div_(world);
+    f.work = comm_.reduce_scatter(k.staging, k.staging.narrow(0, k.owned_begin, k.owned_len), op);
   }
-  in_flight_.push_back({b, std::move(work)});
+  in_flight_.push_back(std::move(f));
   // Without overlap each reduction finishes before the backward goes on; with it, stage 2 keeps
   // at most two buckets' staging in flight.
   if (!opts_.overlap_comm) {
@@ -235,9 +251,17 @@ void FlatGroup::complete_oldest() {
   in_flight_.erase(in_flight_.begin());
   f.work.wait();
   Bucket& k = buckets_[f.bucket];
-  if (opts_.stage == 2) {
-    c10::NoGradGuard no_grad;
-    grad_part_.narrow(0, k.master_offset, k.owned_len).add_(k.staging.narrow(0, k.owned_begin, k.owned_len));
+  c10::NoGradGuard no_grad;
+  if (opts_.stage < 2) {
+    if (f.comm.defined()) {
+      // Back into the accumulation dtype: the whole bucket (stage 0) or the owned shard (stage 1).
+      at::Tensor region = grad_flat_.narrow(0, k.offset, k.layout.padded_total());
+      if (opts_.stage == 0) region.copy_(f.comm);
+      else region.narrow(0, k.owned_begin, k.owned_len).copy_(f.comm.narrow(0, k.owned_begin, k.owned_len));
+    }
+  } else {
+    const at::Tensor mine = k.staging.narrow(0, k.owned_begin, k.owned_len);
+    grad_part_.narrow(0, k.master_offset, k.owned_len).add_(mine.scalar_type() == grad_part_.scalar_type() ? mine : mine.to(grad_part_.scalar_type()));
     staging_now_ -= k.staging.nbytes();
     k.staging = at::Tensor();
   }
@@ -245,9 +269,13 @@ void FlatGroup::complete_oldest() {
 
 void FlatGroup::end_backward() {
   c10::NoGradGuard no_grad;
+  pass_ended_ = true;
+  ++passes_;
   if (opts_.stage < 2) {
     // A parameter that got no gradient this backward after a set_to_none zero_grad: its slot is 0.
-    for (size_t i = 0; i < params_.size(); ++i) reattach_grad(static_cast<int>(i), true);
+    if (grads_in_place()) {
+      for (size_t i = 0; i < params_.size(); ++i) reattach_grad(static_cast<int>(i), true);
+    }
     if (!sync_) return;
   }
   // Buckets with a parameter that got no gradient (unused this step) are reduced now, with
@@ -255,6 +283,64 @@ void FlatGroup::end_backward() {
   for (auto& b : buckets_) b.arrived = static_cast<int>(b.params.size());
   launch_ready_buckets();
   while (!in_flight_.empty()) complete_oldest();
+  if (opts_.stage == 2) {
+    // Stage 2 reduces each pass's own gradients: another pass in this micro-step starts afresh.
+    for (auto& b : buckets_) b.arrived = 0, b.launched = false;
+    next_launch_ = num_buckets() - 1;
+  }
+}
+
+void FlatGroup::end_backward_if_no_pass() {
+  if (!pass_ended_ && !end_.pending()) end_backward();
+}
+
+// A backward pass ended with an error: finish what is in flight (every rank issued it), drop the
+// staged gradients; the engine skips the step.
+void FlatGroup::abandon() {
+  for (auto& f : in_flight_) {
+    try {
+      f.work.wait();
+    } catch (...) {
+    }
+  }
+  in_flight_.clear();
+  for (auto& b : buckets_) {
+    if (b.staging.defined()) staging_now_ -= b.staging.nbytes();
+    b.staging = at::Tensor();
+    b.arrived = 0;
+    b.launched = false;
+  }
+  next_launch_ = num_buckets() - 1;
+  for (auto& p : params_)
+    if (!grads_in_place()) p.mutable_grad() = at::Tensor();
+  abandoned_ = true;
+}
+
+int FlatGroup::index_of(const at::Tensor& param) const {
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return static_cast<int>(i);
+  return -1;
+}
+
+at::Tensor FlatGroup::full_grad(int i, double inv_scale) {
+  c10::NoGradGuard no_grad;
+  const Bucket& k = buckets_[bucket_of_[i]];
+  const int64_t at = flat_offset_[i] - k.offset, n = params_[i].numel();
+  at::Tensor g;
+  if (opts_.stage == 0) {
+    g = grad_flat_.narrow(0, flat_offset_[i], n);
+  } else {
+    // The owned shards of the bucket, from every rank.
+    CollectiveLabel label(comm_, fmt::format("bucket {}, full_grad", bucket_of_[i]));
+    at::Tensor full = at::empty({k.layout.padded_total()}, owned_grad_view(bucket_of_[i]).options());
+    if (comm_.world_size() > 1) {
+      comm_.all_gather(owned_grad_view(bucket_of_[i]).contiguous(), full).wait();
+    } else {
+      full.copy_(owned_grad_view(bucket_of_[i]));
+    }
+    g = full.narrow(0, at, n);
+  }
+  return (inv_scale == 1.0 ? g : g * inv_scale).view(params_[i].sizes()).clone();
 }
 
 at::Tensor FlatGroup::owned_grad_view(int b) const {
@@ -278,7 +364,10 @@ void FlatGroup::zero_grad() {
   c10::NoGradGuard no_grad;
   if (opts_.stage < 2) {
     grad_flat_.zero_();
-    for (size_t i = 0; i < params_.size(); ++i) reattach_grad(static_cast<int>(i), false);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (grads_in_place()) reattach_grad(static_cast<int>(i), false);
+      else params_[i].mutable_grad() = at::Tensor();
+    }
   } else {
     grad_part_.zero_();
     for (auto& p : params_) p.mutable_grad() = at::Tensor();

@@ -8,14 +8,18 @@
 // partition, and the fp32 master weights and optimizer state hold exactly that partition
 // (stage 1 and 2), or every bucket whole (stage 0).
 //
-// Gradients:
-//   stage 0, 1  one compute-precision gradient buffer with the parameters' layout; each .grad is a
-//               view into it, so autograd accumulates micro-steps in place. On the sync micro-step
-//               a bucket is all-reduced (stage 0) or reduce-scattered in place (stage 1) as soon as
-//               its last gradient arrives.
+// Gradients, summed across micro-steps in the accumulation dtype and reduced across ranks in the
+// communication dtype (both fp32 unless the config says otherwise, also when computing in 16 bits):
+//   stage 0, 1  one gradient buffer with the parameters' layout. When it has the compute dtype each
+//               .grad is a view into it, so autograd accumulates micro-steps in place; otherwise
+//               each arriving .grad is added into it and released. On the sync micro-step a bucket
+//               is all-reduced (stage 0) or reduce-scattered in place (stage 1) as soon as its last
+//               gradient arrives.
 //   stage 2     only the owned partition of the gradients is kept. As each gradient arrives it is
 //               added into its bucket's staging buffer and released; a full bucket is
 //               reduce-scattered and its owned shard added to the partition, on every micro-step.
+// In 16-bit communication every rank divides its part by the world size before the sum, so the sum
+// cannot overflow where the average would not.
 // Buckets are reduced in one fixed order (last bucket first, the order of a backward pass) on
 // every rank, whatever order gradients arrive in, so collectives always match across ranks.
 //
@@ -28,10 +32,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/comm/communicator.h"
 #include "engine/optim/optimizer.h"
+#include "engine/zero/grad_hook.h"
 #include "engine/zero/layout.h"
 #include "engine/zero/shard_step.h"
 
@@ -40,6 +46,8 @@ namespace zeal::zero {
 struct GroupOptions {
   int stage = 0;
   at::ScalarType compute_dtype = at::kFloat;
+  at::ScalarType grad_accum_dtype = at::kFloat;  // gradients summed over micro-steps in this
+  at::ScalarType comm_dtype = at::kFloat;        // gradients reduced across ranks in this
   int64_t bucket_elems = 500'000'000;
   bool overlap_comm = false;  // reduce buckets asynchronously behind the backward
   int64_t align = 16;         // shard sizes are a multiple of this many elements
@@ -63,9 +71,22 @@ class FlatGroup {
   FlatGroup& operator=(const FlatGroup&) = delete;
 
   // Lifecycle of one micro-step: begin (sync: this micro-step's gradients are reduced), the
-  // backward runs (hooks call on_grad_ready), end waits for every reduction of this micro-step.
+  // backward runs (hooks call on_grad_ready), end waits for every reduction of this micro-step. The
+  // end runs by itself at the end of each backward pass that touched the group (a callback on the
+  // autograd engine); end_backward_if_no_pass runs it when none did since begin_micro_step.
   void begin_micro_step(bool sync);
   void end_backward();
+  void end_backward_if_no_pass();
+  bool backward_pending() const { return end_.pending(); }
+  int64_t backward_passes() const { return passes_; }
+  // Outside a backward: notices a pass that ended with an error (its reductions are finished, its
+  // gradients dropped); take_abandoned() reports it once.
+  void check_abandoned() { end_.check(); }
+  bool take_abandoned() { return std::exchange(abandoned_, false); }
+  // The full reduced gradient of parameter i (× inv_scale). Collective from stage 1 on.
+  at::Tensor full_grad(int param, double inv_scale);
+  // The index of `param` in this group, or -1.
+  int index_of(const at::Tensor& param) const;
 
   // The step over this rank's owned regions (statistics, clipping, the fused update).
   ShardStep& shard_step() { return step_; }
@@ -98,10 +119,14 @@ class FlatGroup {
   struct InFlight {
     int bucket;
     Work work;
+    at::Tensor comm;  // the buffer reduced in the communication dtype, when it differs
   };
   struct HookState;
 
   void on_grad_ready(int param);
+  void abandon();
+  // Whether .grad is a view of the gradient buffer (stage 0, 1 with the compute dtype).
+  bool grads_in_place() const { return opts_.stage < 2 && opts_.grad_accum_dtype == opts_.compute_dtype; }
   void launch_ready_buckets();
   void launch(int b);
   void complete_oldest();
@@ -120,8 +145,8 @@ class FlatGroup {
   int64_t total_elems_ = 0, padded_ = 0, owned_total_ = 0;
 
   at::Tensor param_flat_;  // compute dtype, padded_ elements: every parameter's storage
-  at::Tensor grad_flat_;   // stage 0, 1: compute dtype, padded_ elements
-  at::Tensor grad_part_;   // stage 2: compute dtype, owned_total_ elements
+  at::Tensor grad_flat_;   // stage 0, 1: accumulation dtype, padded_ elements
+  at::Tensor grad_part_;   // stage 2: accumulation dtype, owned_total_ elements
   ShardStep step_;         // fp32 master (owned_total_ elements), optimizer, the update
 
   bool sync_ = true;
@@ -131,6 +156,9 @@ class FlatGroup {
 
   std::shared_ptr<HookState> hook_state_;
   std::vector<std::shared_ptr<void>> accumulators_;  // keeps each parameter's hook alive
+  EndOfBackward end_;
+  bool pass_ended_ = false, abandoned_ = false;
+  int64_t passes_ = 0;
 };
 
 }  // namespace zeal::zero

@@ -1,5 +1,9 @@
-// Gradient arrival: a post hook on a parameter's gradient accumulator runs after autograd has
-// added this backward's contribution to its .grad. Every ZeRO stage counts arrivals this way.
+// Gradient arrival and the end of a backward pass, as every ZeRO stage sees them.
+//
+// A post hook on a parameter's gradient accumulator runs after autograd has added this backward's
+// contribution to its .grad. The end of the whole pass is a callback queued on LibTorch's autograd
+// engine from inside the pass (a hook or a node): it runs once the pass is done, whoever started
+// it — engine.backward, loss.backward() or torch::autograd::backward({l1, l2}).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -14,5 +18,27 @@ namespace zeal::zero {
 // caller keeps alive (autograd holds it only while a graph uses the parameter). `name` is for the
 // error when the tensor has no accumulator (it does not require grad).
 std::shared_ptr<void> on_grad_ready(const at::Tensor& param, const std::string& name, std::function<void()> fn);
+
+// Runs `end` once at the end of each backward pass that requested it (request() from inside the
+// pass, as often as convenient). A pass that ended with an error never runs its callback: the next
+// request() from another pass, or check() outside any pass, notices and runs `abandoned` first.
+// The queued callback holds the owner weakly: it does nothing once this object is gone.
+class EndOfBackward {
+ public:
+  EndOfBackward(std::function<void()> end, std::function<void()> abandoned);
+  ~EndOfBackward();
+  EndOfBackward(const EndOfBackward&) = delete;
+  EndOfBackward& operator=(const EndOfBackward&) = delete;
+
+  void request();
+  // Outside a backward pass: runs `abandoned` if a pass requested the callback and ended without it.
+  void check();
+  // Whether a pass requested the callback and it has not run yet.
+  bool pending() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
 
 }  // namespace zeal::zero

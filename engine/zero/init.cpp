@@ -14,6 +14,8 @@
 #include <unordered_set>
 
 #include "engine/comm/communicator.h"
+#include "engine/memory_counter.h"
+#include "engine/zero/host_memory.h"
 #include "engine/zero/sharded.h"
 
 namespace zeal {
@@ -21,62 +23,6 @@ namespace zero {
 namespace {
 
 thread_local InitContext* g_current = nullptr;
-
-// Counts the bytes of CPU memory allocated through it (and not yet freed) and the most at once.
-// Installed as LibTorch's CPU allocator while an InitContext is open; memory it handed out may be
-// freed later, so it lives as long as the process.
-class CountingAllocator final : public at::Allocator {
- public:
-  at::DataPtr allocate(size_t n) override {
-    at::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    const at::Device device = inner.device();
-    auto* ctx = new Ctx{std::move(inner), static_cast<int64_t>(n), this};
-    const int64_t now = live_.fetch_add(ctx->n) + ctx->n;
-    int64_t peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-    }
-    return {data, ctx, &Ctx::free, device};
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
-
-  void install() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (installs_++ == 0) {
-      base_ = c10::GetCPUAllocator();
-      c10::SetCPUAllocator(this, /*priority=*/255);
-    }
-    peak_ = live_.load();
-    start_ = live_.load();
-  }
-  void uninstall() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (--installs_ == 0) c10::SetCPUAllocator(base_, 255);
-  }
-  int64_t peak_since_install() const { return peak_.load() - start_; }
-
- private:
-  struct Ctx {
-    at::DataPtr inner;
-    int64_t n;
-    CountingAllocator* owner;
-    static void free(void* p) {
-      auto* c = static_cast<Ctx*>(p);
-      c->owner->live_.fetch_sub(c->n);
-      delete c;  // frees `inner` through the allocator that made it
-    }
-  };
-  std::mutex mu_;
-  int installs_ = 0;
-  at::Allocator* base_ = nullptr;
-  std::atomic<int64_t> live_{0}, peak_{0};
-  int64_t start_ = 0;
-};
-
-CountingAllocator& counting_allocator() {
-  static auto* a = new CountingAllocator();  // never destroyed: storages may outlive everything
-  return *a;
-}
 
 int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
@@ -93,12 +39,6 @@ std::unordered_set<const void*> root_parameters(torch::nn::Module& model) {
   std::unordered_set<const void*> out;
   collect_root(model, out);
   return out;
-}
-
-void free_storage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  s->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
-  s->set_nbytes(0);
 }
 
 bool InitShards::materialize(at::Tensor& p, Communicator& comm, at::Device device) {
@@ -135,14 +75,12 @@ InitContext::InitContext(Communicator& comm, bool partition)
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(state);
   }
-  counting_allocator().install();
-  tracking_ = true;
+  counter_ = std::make_unique<CpuMemoryCounter>();
   g_current = this;
 }
 
 InitContext::~InitContext() {
   if (g_current == this) g_current = prev_;
-  if (tracking_) counting_allocator().uninstall();
 }
 
 InitContext* InitContext::current() { return g_current; }
@@ -174,7 +112,7 @@ std::shared_ptr<InitShards> InitContext::finish(torch::nn::Module& model, InitRe
   if (report) {
     InitReport r;
     r.partitioned = partition_;
-    r.peak = counting_allocator().peak_since_install();
+    r.peak = counter_->peak();
     const auto root = root_parameters(model);
     std::unordered_set<const void*> seen;
     for (const auto& p : model.parameters(true)) {
@@ -192,10 +130,7 @@ std::shared_ptr<InitShards> InitContext::finish(torch::nn::Module& model, InitRe
     *report = r;
   }
   if (g_current == this) g_current = prev_;
-  if (tracking_) {
-    counting_allocator().uninstall();
-    tracking_ = false;
-  }
+  counter_.reset();
   return std::move(shards_);
 }
 

@@ -5,8 +5,8 @@
 // random generator state, so the values are those one process seeded like rank 0 would build.
 // Stage3 takes the slices over at prepare (InitShards::materialize, one unit at a time).
 //
-// The context also measures construction: every CPU allocation made while it is open goes through
-// a counting allocator, so `peak` is what construction really held at most.
+// The context also measures construction: every CPU allocation made while it is open is counted
+// (CpuMemoryCounter), so `peak` is what construction really held at most.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -22,6 +22,7 @@ class Module;
 
 namespace zeal {
 class Communicator;
+class CpuMemoryCounter;
 class ShardedBase;
 
 namespace zero {
@@ -30,8 +31,6 @@ namespace zero {
 // unit's, including any a Sharded member shares with the root.
 std::unordered_set<const void*> root_parameters(torch::nn::Module& model);
 
-// Frees a tensor's storage, keeping its shape (released units, partitioned parameters).
-void free_storage(const at::Tensor& t);
 
 // The slices kept for partitioned parameters, by parameter.
 class InitShards {
@@ -87,7 +86,7 @@ class InitContext {
   std::shared_ptr<InitShards> shards_ = std::make_shared<InitShards>();
   int64_t largest_unit_ = 0;
   InitContext* prev_;
-  bool tracking_ = false;
+  std::unique_ptr<CpuMemoryCounter> counter_;  // what construction allocates
 };
 
 }  // namespace zero

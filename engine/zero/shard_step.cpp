@@ -82,6 +82,9 @@ void ShardStep::apply(double lr, double inv_scale) {
   if (!fused_) {
     optimizer_->step(master_, fp32_grads(inv_scale));
     for (const Piece& p : pieces_) p.out.copy_(master_.narrow(0, p.offset, p.out.numel()));
+    // The fp32 copy lives from its first use to the update, not between steps.
+    if (!grad32_.is_same(alias_)) grad32_ = alias_;
+    grad32_ready_ = false;
     return;
   }
   // One pass per piece: gradients (unscaled and clipped by the multiplier), the update, the copy.
@@ -105,6 +108,12 @@ void ShardStep::apply(double lr, double inv_scale) {
 void ShardStep::reset() {
   grad32_ready_ = false;
   pending_scale_ = 1.0;
+}
+
+void ShardStep::refresh_master(size_t k) {
+  c10::NoGradGuard no_grad;
+  const Piece& p = pieces_.at(k);
+  master_.narrow(0, p.offset, p.out.numel()).copy_(p.out);
 }
 
 int64_t ShardStep::workspace_bytes() const {

@@ -51,6 +51,10 @@ class ShardStep {
   void apply(double lr, double inv_scale);
   // Forgets the fp32 gradients and the deferred factor (the gradients were cleared or are new).
   void reset();
+  // Piece k's master weights take its compute-precision values (they were changed from outside:
+  // engine.gathered with a modifier).
+  void refresh_master(size_t k);
+  size_t num_pieces() const { return pieces_.size(); }
 
   const at::Tensor& master() const { return master_; }
   optim::Optimizer& optimizer() { return *optimizer_; }

@@ -7,45 +7,75 @@
 //     ...
 //       x = blocks[i]->forward(x);
 //
-// Outside stage 3 (or before engine.prepare) a Sharded<M> is its block and nothing more. In
-// stage 3 its forward gathers the block's parameters (or finds them prefetched), runs the block
-// with autograd recording, marks the output so the block is gathered again just before its own
-// backward, and releases the parameters. Gradients are reduce-scattered into their owners as soon
-// as the block's backward has produced all of them. Parameters outside every Sharded member form
-// the root unit, which stays gathered (as do parameters a Sharded member shares with the root, such
-// as an LM head tied to the embedding). Under engine.init<M>() each Sharded member is partitioned
-// as soon as its block is built.
+// Outside stage 3 (or before engine.prepare) a Sharded<M> is its block and nothing more. In stage 3
+// its forward runs the unit's lifecycle (engine/zero/unit.h): pre_forward gathers the block's
+// parameters (or finds them prefetched); the block runs with autograd recording, its tensor inputs
+// passed through one identity whose backward fires once every op of the block has run its backward
+// (post_backward: the unit is released, frozen parameters included) and its tensor outputs through
+// one identity whose backward fires before the block's (pre_backward: the unit is gathered again);
+// post_forward releases it. Gradients are reduce-scattered into their owners once the block's
+// backward has produced all of them. The block's forward may take any arguments and return a tensor,
+// a std::tuple (a hidden state and a cache, say) or a std::vector of tensors. Under engine.init<M>()
+// each Sharded member is partitioned as soon as its block is built.
 #pragma once
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
-#include <functional>
+#include <array>
+#include <memory>
+#include <tuple>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace zeal {
 namespace zero {
 class Unit;
-}
+struct Stage3Link;
+}  // namespace zero
 
 // The part of Sharded<M> that does not depend on M.
 class ShardedBase : public torch::nn::Module {
  public:
   // The engine's unit for this block (null outside stage 3).
   zero::Unit* unit() const { return unit_; }
-  void attach(zero::Unit* unit) { unit_ = unit; }
+  void attach(zero::Unit* unit, std::weak_ptr<zero::Stage3Link> link) {
+    unit_ = unit;
+    link_ = std::move(link);
+  }
   // The wrapped block.
   virtual std::shared_ptr<torch::nn::Module> block() const = 0;
 
  protected:
-  // Gathers, runs `fn`, marks its output for the pre-backward gather, releases.
-  at::Tensor around(const std::function<at::Tensor()>& fn);
+  // The lifecycle around the block's forward (sharded.cpp). active: in stage 3, with a live engine.
+  bool pre_forward();
+  // The block's tensor inputs that require grad, through the post-backward identity (one node).
+  std::vector<at::Tensor> mark_inputs(const std::vector<at::Tensor>& inputs);
+  // The block's tensor outputs that require grad, through the pre-backward identity (one node).
+  std::vector<at::Tensor> mark_outputs(const std::vector<at::Tensor>& outputs);
+  void post_forward();
   // Called once the block exists: under engine.init it is partitioned right away.
   void constructed();
 
  private:
   zero::Unit* unit_ = nullptr;
+  std::weak_ptr<zero::Stage3Link> link_;
 };
+
+namespace detail {
+
+template <class T>
+constexpr bool is_tensor_v = std::is_same_v<std::remove_cvref_t<T>, at::Tensor>;
+template <class T>
+struct is_tuple : std::false_type {};
+template <class... Ts>
+struct is_tuple<std::tuple<Ts...>> : std::true_type {};
+
+// Tensors that take part in autograd here: defined, floating point, requiring grad.
+inline bool differentiable(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+
+}  // namespace detail
 
 template <class M>
 class ShardedImpl : public ShardedBase {
@@ -55,14 +85,109 @@ class ShardedImpl : public ShardedBase {
     register_module("block", inner.ptr());
     constructed();
   }
-  // Forwards to the block's forward; the block's output must be one tensor.
+
+  // The block's forward, inside the unit's lifecycle (stage 3) or as is (other stages).
   template <class... Args>
-  at::Tensor forward(Args&&... args) {
-    return around([&] { return inner->forward(std::forward<Args>(args)...); });
+  auto forward(Args&&... args) {
+    if (!pre_forward()) return inner->forward(std::forward<Args>(args)...);
+    struct Release {
+      ShardedImpl* self;
+      ~Release() { self->post_forward(); }
+    } release{this};
+    // The differentiable tensor arguments go through the post-backward identity together; every
+    // other argument is passed on untouched.
+    std::vector<at::Tensor> inputs;
+    std::array<int, sizeof...(Args)> slot{};
+    int k = 0;
+    (
+        [&](auto& a) {
+          using A = decltype(a);
+          if constexpr (detail::is_tensor_v<A>) {
+            if (detail::differentiable(a)) {
+              slot[k] = static_cast<int>(inputs.size());
+              inputs.push_back(a);
+            } else {
+              slot[k] = -1;
+            }
+          } else {
+            slot[k] = -1;
+          }
+          ++k;
+        }(args),
+        ...);
+    const std::vector<at::Tensor> marked = inputs.empty() ? inputs : mark_inputs(inputs);
+    auto out = call(marked, slot, std::index_sequence_for<Args...>{}, std::forward<Args>(args)...);
+    return mark_result(std::move(out));
   }
+
   std::shared_ptr<torch::nn::Module> block() const override { return inner.ptr(); }
 
   M inner;
+
+ private:
+  template <class... Args, size_t... I>
+  auto call(const std::vector<at::Tensor>& marked, const std::array<int, sizeof...(Args)>& slot,
+            std::index_sequence<I...>, Args&&... args) {
+    return inner->forward(pass<I>(marked, slot, std::forward<Args>(args))...);
+  }
+
+  template <size_t I, size_t N, class A>
+  static decltype(auto) pass(const std::vector<at::Tensor>& marked, const std::array<int, N>& slot, A&& a) {
+    if constexpr (detail::is_tensor_v<A>) {
+      return slot[I] >= 0 ? at::Tensor(marked[static_cast<size_t>(slot[I])]) : at::Tensor(a);
+    } else {
+      return std::forward<A>(a);
+    }
+  }
+
+  // The differentiable tensors of the result through the pre-backward identity, in place.
+  template <class R>
+  R mark_result(R out) {
+    if constexpr (std::is_same_v<R, at::Tensor>) {
+      if (!detail::differentiable(out)) return out;
+      return mark_outputs({out})[0];
+    } else if constexpr (std::is_same_v<R, std::vector<at::Tensor>>) {
+      std::vector<at::Tensor> live;
+      for (auto& t : out)
+        if (detail::differentiable(t)) live.push_back(t);
+      if (live.empty()) return out;
+      const auto marked = mark_outputs(live);
+      size_t j = 0;
+      for (auto& t : out)
+        if (detail::differentiable(t)) t = marked[j++];
+      return out;
+    } else if constexpr (detail::is_tuple<R>::value) {
+      std::vector<at::Tensor> live;
+      std::apply(
+          [&](auto&... e) {
+            (
+                [&](auto& x) {
+                  if constexpr (detail::is_tensor_v<decltype(x)>)
+                    if (detail::differentiable(x)) live.push_back(x);
+                }(e),
+                ...);
+          },
+          out);
+      if (live.empty()) return out;
+      const auto marked = mark_outputs(live);
+      size_t j = 0;
+      std::apply(
+          [&](auto&... e) {
+            (
+                [&](auto& x) {
+                  if constexpr (detail::is_tensor_v<decltype(x)>)
+                    if (detail::differentiable(x)) x = marked[j++];
+                }(e),
+                ...);
+          },
+          out);
+      return out;
+    } else {
+      static_assert(std::is_same_v<R, at::Tensor>,
+                    "a zeal::Sharded block's forward returns a tensor, a std::tuple or a std::vector of tensors");
+      return out;
+    }
+  }
 };
 
 // A ModuleHolder, used like the block's own holder: Sharded<Block> b(args...); b->forward(x);

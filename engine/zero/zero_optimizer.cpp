@@ -77,6 +77,14 @@ void Sharding::clip_grad_value(double value, double inv_scale) {
 Sharding::StepResult Sharding::step(double inv_scale, double clip, const std::vector<double>& lrs) {
   ZEAL_CHECK(lrs.size() == num_groups()) << lrs.size() << " learning rates for " << num_groups() << " groups";
   StepResult r;
+  notice_abandoned();
+  // Every rank must be at its step with the same collectives behind it before any weight changes.
+  comm_.check_agreement("optimizer step");
+  if (!abandoned_.empty()) {
+    r.abandoned = std::exchange(abandoned_, {});
+    zero_grad();
+    return r;
+  }
   r.grad_norm = clipped_ ? norm_before_clip_ : grad_norm(inv_scale);
   if (overflow_) {
     zero_grad();
@@ -105,12 +113,40 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, std::vector<Group> groups, cons
 }
 
 void ZeroOptimizer::begin_micro_step(bool sync) {
+  notice_abandoned();
   for (auto& g : groups_) g->begin_micro_step(sync);
   reset_norm();
 }
 
+void ZeroOptimizer::notice_abandoned() {
+  for (auto& g : groups_) {
+    g->check_abandoned();
+    if (g->take_abandoned()) abandon_step("a backward pass ended with an error, so this step's gradients are incomplete");
+  }
+}
+
 void ZeroOptimizer::end_backward() {
-  for (auto& g : groups_) g->end_backward();
+  for (auto& g : groups_) g->end_backward_if_no_pass();
+}
+
+int64_t ZeroOptimizer::backward_passes() const {
+  int64_t n = 0;
+  for (auto& g : groups_) n += g->backward_passes();
+  return n;
+}
+
+bool ZeroOptimizer::backward_pending() const {
+  for (auto& g : groups_)
+    if (g->backward_pending()) return true;
+  return false;
+}
+
+at::Tensor ZeroOptimizer::full_grad(const at::Tensor& param, double inv_scale) {
+  for (auto& g : groups_) {
+    const int i = g->index_of(param);
+    if (i >= 0) return g->full_grad(i, inv_scale);
+  }
+  throw Error("engine.full_grad: the tensor is not a trainable parameter of the prepared model");
 }
 
 std::vector<ShardStep*> ZeroOptimizer::shard_steps() {

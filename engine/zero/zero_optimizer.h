@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/comm/communicator.h"
@@ -20,15 +21,29 @@ namespace zeal::zero {
 class Sharding {
  public:
   struct StepResult {
-    bool stepped = false;  // false: skipped for inf/nan gradients
+    bool stepped = false;  // false: skipped (inf/nan gradients, or an abandoned backward)
     double grad_norm = 0;  // of the unscaled gradients, before clipping
+    std::string abandoned;  // why the step was skipped without looking at the gradients, if it was
   };
   virtual ~Sharding() = default;
 
   // Lifecycle of one micro-step: begin (sync: this micro-step's gradients complete a step), the
-  // backward runs, end_backward finishes every reduction it started.
+  // backward runs, end_backward finishes every reduction it started. The end of a backward pass
+  // runs by itself (a callback queued on the autograd engine), so loss.backward() and
+  // torch::autograd::backward({l1, l2}) work too; engine.backward calls end_backward after the pass
+  // for what no hook saw (a pass in which no trainable parameter took part).
   virtual void begin_micro_step(bool sync) = 0;
   virtual void end_backward() = 0;
+  // Whether a backward pass started and has not ended (its callback is still queued).
+  virtual bool backward_pending() const = 0;
+  // How many backward passes have ended (by engine.backward or the program's own loss.backward()).
+  virtual int64_t backward_passes() const = 0;
+  // Outside a backward: a pass that ended with an error is noticed (its reductions finished, its
+  // gradients dropped) and the next step will be skipped.
+  virtual void notice_abandoned() = 0;
+  // The full gradient of `param` (every rank's contribution reduced, × inv_scale), after a backward
+  // and before the step. Collective.
+  virtual at::Tensor full_grad(const at::Tensor& param, double inv_scale) = 0;
   // The global norm of the unscaled gradients (norm_type 2 or inf); computed once per step.
   double grad_norm(double inv_scale, double norm_type = 2.0);
   // Scales the gradients so their global norm is at most max_norm; returns the norm before.
@@ -57,10 +72,13 @@ class Sharding {
   virtual void clear_grads() = 0;
   // Forgets this step's norm and clipping (a new step begins).
   void reset_norm();
+  // A backward pass ended with an error: the next step is skipped and the gradients cleared.
+  void abandon_step(std::string why) { abandoned_ = std::move(why); }
 
   Communicator& comm_;
 
  private:
+  std::string abandoned_;
   bool have_norm_ = false, clipped_ = false, overflow_ = false;
   double sumsq_ = 0, norm_before_clip_ = 0;
 };
@@ -77,6 +95,10 @@ class ZeroOptimizer final : public Sharding {
 
   void begin_micro_step(bool sync) override;
   void end_backward() override;
+  bool backward_pending() const override;
+  int64_t backward_passes() const override;
+  void notice_abandoned() override;
+  at::Tensor full_grad(const at::Tensor& param, double inv_scale) override;
 
   size_t num_groups() const override { return groups_.size(); }
   FlatGroup& group(size_t g) { return *groups_[g]; }

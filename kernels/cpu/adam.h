@@ -30,6 +30,7 @@ struct AdamHyper {
   double eps = 1e-8;
   double weight_decay = 0.0;
   bool decoupled = true;    // AdamW: p -= lr·wd·p; Adam: g += wd·p
+  bool bias_correction = true;  // divide the moments by 1 − βᵗ
   int64_t step = 1;         // 1 for the first step (bias correction)
   double grad_scale = 1.0;  // gradients are multiplied by this (1 / loss scale × clip factor)
 };

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "engine/memory.h"
+#include "tests/optim_error_bound.h"
 
 namespace zeal_test {
 namespace {
@@ -52,34 +53,78 @@ TEST(Precision, Bf16FollowsFp32) {
 // bit for bit), halves the scale (hysteresis 1), and the scale doubles again after
 // loss_scale_window good steps.
 TEST(Precision, Fp16OverflowSkipsEverywhereHalvesAndRecovers) {
-  RunSpec s;
-  s.world = 3;
-  s.stage = 2;
-  s.precision = "fp16";
-  s.initial_scale_power = 10;
-  s.loss_scale_window = 3;
-  s.hysteresis = 1;
-  const int bad = 3;
-  const RunResult r = run_engine(s, "fp16", [&](zeal::Engine& e, int step, int, at::Tensor loss) {
-    if (step == bad && e.process_index() == 1) return loss * std::numeric_limits<float>::infinity();
-    return loss;
-  });
-  for (int rank = 0; rank < s.world; ++rank) {
-    SCOPED_TRACE("rank " + std::to_string(rank));
-    const auto& skipped = r.skipped[rank];
-    const auto& scales = r.scales[rank];
-    for (int i = 0; i < s.steps; ++i) EXPECT_EQ(skipped[i].item<double>(), i == bad ? 1.0 : 0.0) << "step " << i;
-    // The skipped step left every parameter as it was; the others moved.
-    EXPECT_TRUE(at::equal(r.trajectory[rank][bad + 1], r.trajectory[rank][bad]));
-    EXPECT_FALSE(at::equal(r.trajectory[rank][bad + 2], r.trajectory[rank][bad + 1]));
-    const double before = scales[bad - 1].item<double>(), after = scales[bad].item<double>();
-    EXPECT_EQ(after, before / 2);
-    // Scale after step i; it doubles once loss_scale_window steps passed without overflow.
-    EXPECT_EQ(scales[bad + s.loss_scale_window - 1].item<double>(), after);
-    EXPECT_EQ(scales[bad + s.loss_scale_window].item<double>(), after * 2);
-    EXPECT_TRUE(at::equal(r.params[rank], r.params[0]));
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    RunSpec s;
+    s.world = 3;
+    s.stage = stage;
+    s.precision = "fp16";
+    s.initial_scale_power = 10;
+    s.loss_scale_window = 3;
+    s.hysteresis = 1;
+    const int bad = 3;
+    const RunResult r = run_engine(s, "fp16", [&](zeal::Engine& e, int step, int, at::Tensor loss) {
+      if (step == bad && e.process_index() == 1) return loss * std::numeric_limits<float>::infinity();
+      return loss;
+    });
+    for (int rank = 0; rank < s.world; ++rank) {
+      SCOPED_TRACE("rank " + std::to_string(rank));
+      const auto& skipped = r.skipped[rank];
+      const auto& scales = r.scales[rank];
+      for (int i = 0; i < s.steps; ++i) EXPECT_EQ(skipped[i].item<double>(), i == bad ? 1.0 : 0.0) << "step " << i;
+      // The skipped step left every parameter as it was; the others moved.
+      EXPECT_TRUE(at::equal(r.trajectory[rank][bad + 1], r.trajectory[rank][bad]));
+      EXPECT_FALSE(at::equal(r.trajectory[rank][bad + 2], r.trajectory[rank][bad + 1]));
+      const double before = scales[bad - 1].item<double>(), after = scales[bad].item<double>();
+      EXPECT_EQ(after, before / 2);
+      // Scale after step i; it doubles once loss_scale_window steps passed without overflow.
+      EXPECT_EQ(scales[bad + s.loss_scale_window - 1].item<double>(), after);
+      EXPECT_EQ(scales[bad + s.loss_scale_window].item<double>(), after * 2);
+      EXPECT_TRUE(at::equal(r.params[rank], r.params[0]));
+    }
+    EXPECT_TRUE(std::isfinite(r.params[0].sum().item<double>()));
   }
-  EXPECT_TRUE(std::isfinite(r.params[0].sum().item<double>()));
+}
+
+// bf16 in stage 3 against one LibTorch process computing under the same autocast (fp32 weights,
+// bf16 matmuls): both are the fp32 run moved by bf16 rounding, each within bf16_spread of it, so
+// within twice that of each other; and bf16's own loss falls.
+TEST(Precision, Bf16Stage3MatchesLibTorchUnderAutocast) {
+  RunSpec s;
+  s.world = 2;
+  s.stage = 3;
+  s.accumulation = 2;
+  s.precision = "bf16";
+  const RunResult got = run_engine(s, "bf16s3");
+  // The reference: the global batch in one forward under autocast, fp32 weights, torch AdamW.
+  RunSpec f = s;
+  f.precision = "no";
+  zeal_test::Setup u = make_setup(f);
+  const int64_t per_step = s.micro_batch * s.world * s.accumulation;
+  const at::Tensor tokens = make_tokens(per_step * s.steps);
+  std::vector<double> losses;
+  for (int step = 0; step < s.steps; ++step) {
+    u.opt->zero_grad();
+    at::Tensor loss;
+    {
+      zeal::Engine::AutocastGuard ac(at::kCPU, at::kBFloat16, true);
+      loss = lm_loss(u.model, tokens.narrow(0, step * per_step, per_step));
+    }
+    loss.backward();
+    losses.push_back(loss.item<double>());
+    torch::nn::utils::clip_grad_norm_(u.trainable, s.clip);
+    u.opt->step();
+  }
+  const at::Tensor ref_losses = at::tensor(losses, at::kDouble);
+  const Spread bound = bf16_spread(f);
+  const double loss_err = curve_diff(got.losses, ref_losses), param_err = rel_diff(got.params[0], flat_params(*u.model));
+  std::printf("[ metric ] bf16 stage 3 vs LibTorch autocast: losses %.3g (tolerance %.3g), parameters %.3g "
+              "(tolerance %.3g); loss %.4f -> %.4f\n",
+              loss_err, 2 * bound.losses, param_err, 2 * bound.params, got.losses[0].item<double>(),
+              got.losses[s.steps - 1].item<double>());
+  EXPECT_LE(loss_err, 2 * bound.losses);
+  EXPECT_LE(param_err, 2 * bound.params);
+  EXPECT_LT(got.losses[s.steps - 1].item<double>(), got.losses[0].item<double>());
 }
 
 // Frozen parameters: no gradient, no optimizer state, no communication; bit for bit unchanged,
@@ -124,7 +169,9 @@ TEST(Accounting, ModelStatesMatchTheStageTable) {
           model.stage = stage;
           model.psi = static_cast<int64_t>(m[5].item<double>());
           model.world = world;
-          model.param_bytes = model.grad_bytes = std::string(precision) == "bf16" ? 2 : 4;
+          // Parameters in the compute dtype; gradients summed in fp32 (the default accumulation dtype).
+          model.param_bytes = std::string(precision) == "bf16" ? 2 : 4;
+          model.grad_bytes = 4;
           const double expected = zeal::expected_model_state_bytes(model);
           std::printf("[ metric ] %s world %d stage %d rank %d: %.0f bytes held, table says %.0f (%+.2f %%)\n",
                       precision, world, stage, rank, held, expected, 100.0 * (held - expected) / expected);
@@ -266,6 +313,64 @@ TEST(Config, OptimizerAndScheduleFromTheConfig) {
   std::filesystem::remove_all(dir);
 }
 
+// DeepSpeed's rule for the config's optimizer: "type": "Adam" with weight decay is AdamW (decoupled
+// decay) unless adam_w_mode is false, then Adam with L2 decay. A model whose gradient does not depend
+// on its weights (loss = x · w), so the run is the optimizer alone: every element within the float32
+// forward error bound of the exact (float64) AdamW, or Adam, recursion — and far outside the other
+// one's, so the mode is really what differs.
+TEST(Config, DeepSpeedAdamIsAdamWUnlessAdamWModeIsFalse) {
+  for (bool adam_w_mode : {true, false}) {
+    const std::string dir = temp_dir("ds_adam");
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Config c = zeal::Config::parse(
+              fmt::format(R"({{"zero_optimization": {{"stage": 3}}, "optimizer": {{"type": "Adam", "params":
+                  {{"lr": 0.01, "weight_decay": 0.1, "adam_w_mode": {}}}}}}})",
+                          adam_w_mode ? "true" : "false"),
+              "ds.json");
+          zeal::Engine engine(c, rt);
+          at::manual_seed(3);
+          torch::nn::Linear model(torch::nn::LinearOptions(7, 1).bias(false));
+          auto m = engine.prepare(model);
+          const at::Tensor x = at::arange(1, 8, at::kFloat).reshape({1, 7}) / 4;
+          for (int i = 0; i < 10; ++i) {
+            engine.backward(m->forward(x).sum());
+            engine.step();
+          }
+          auto g = engine.gathered();
+          if (engine.is_main_process()) write_tensor(dir + "/w", m->weight.detach().reshape({-1}));
+        },
+        2);
+    ASSERT_EQ(zeal::describe_failures(results), "");
+    const at::Tensor w = read_tensor(dir + "/w");
+    at::manual_seed(3);
+    torch::nn::Linear init(torch::nn::LinearOptions(7, 1).bias(false));
+    for (bool decoupled : {true, false}) {
+      double worst = 0;
+      for (int64_t i = 0; i < 7; ++i) {
+        AdamElement e{.w = init->weight[0][i].item<double>()};
+        const double g = (i + 1) / 4.0;  // ∂(x·w)/∂w: both ranks see the same x, the average is x
+        for (int t = 1; t <= 10; ++t) adam_step_bound(e, {0.01, 0.9, 0.999, 1e-8, 0.1, decoupled}, t, g);
+        worst = std::max(worst, std::fabs(w[i].item<double>() - e.w) / e.err_w);
+      }
+      std::printf("[ metric ] adam_w_mode %d: largest error / bound against exact %s: %.3g\n", adam_w_mode,
+                  decoupled ? "AdamW" : "Adam (L2)", worst);
+      if (decoupled == adam_w_mode) EXPECT_LE(worst, 1.0);
+      else EXPECT_GT(worst, 100.0) << "the two modes must differ far beyond rounding";
+    }
+  }
+}
+
+// Keys that would change the math without zeal implementing them are refused by name.
+TEST(Config, AmsgradIsRefusedByName) {
+  try {
+    (void)zeal::Config::parse(R"({"optimizer": {"type": "Adam", "params": {"lr": 0.01, "amsgrad": true}}})", "ds.json");
+    FAIL() << "amsgrad accepted";
+  } catch (const zeal::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer.params.amsgrad"), std::string::npos) << e.what();
+  }
+}
+
 // --- collectives on results ------------------------------------------------------------------
 
 TEST(Results, GatherReducePadAndMainProcessFirst) {
@@ -340,10 +445,10 @@ TEST(Errors, NameTheProblem) {
         c.zero.stage = 3;
         zeal::Engine e3(c, rt);
         zeal_test::Setup u = make_setup(RunSpec{});
-        std::vector<at::Tensor> a{u.trainable[0]}, b(u.trainable.begin() + 1, u.trainable.end());
-        torch::optim::AdamW two({torch::optim::OptimizerParamGroup(a), torch::optim::OptimizerParamGroup(b)},
-                                torch::optim::AdamWOptions(1e-3));
-        expect_error([&] { (void)e3.prepare(u.model, two); }, "stage 3 takes one parameter group");
+        // Stage 3 takes any number of groups, but every trainable parameter must be in one.
+        std::vector<at::Tensor> some(u.trainable.begin() + 1, u.trainable.end());
+        torch::optim::AdamW partial(some, torch::optim::AdamWOptions(1e-3));
+        expect_error([&] { (void)e3.prepare(u.model, partial); }, "'wte.weight' requires grad but is in none");
       },
       1);
   EXPECT_EQ(zeal::describe_failures(results), "");

@@ -143,7 +143,9 @@ inline Setup make_setup(const RunSpec& s, const std::function<TinyGpt()>& build 
 // What a run leaves in `dir`: params_<rank> (final parameters), losses (per optimizer step, the
 // mean over the global batch), norms (gradient norm before clipping), skipped (0/1 per step).
 struct RunResult {
-  std::vector<at::Tensor> params, skipped, scales, memory, trajectory;  // per rank
+  // per rank; memory: params, grads, master, optimizer states, frozen bytes, trainable count, then
+  // stage 3's unit gathers, prefetches and re-traces
+  std::vector<at::Tensor> params, skipped, scales, memory, trajectory;
   at::Tensor losses, norms;
 };
 
@@ -202,10 +204,12 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
   write_tensor(dir + "/scales_" + me, at::tensor(scales, at::kDouble));
   write_tensor(dir + "/trajectory_" + me, at::stack(trajectory));
   const zeal::MemoryReport mem = engine.memory();
+  const auto fetches = engine.fetch_counts();
   write_tensor(dir + "/memory_" + me,
                at::tensor(std::vector<double>{double(mem.params), double(mem.grads), double(mem.master),
                                               double(mem.optimizer_states), double(mem.frozen_params),
-                                              double(engine.num_trainable_parameters())},
+                                              double(engine.num_trainable_parameters()), double(fetches.gathers),
+                                              double(fetches.prefetched), double(fetches.retraced)},
                           at::kDouble));
   if (engine.is_main_process()) {
     write_tensor(dir + "/losses", at::tensor(losses, at::kDouble));

@@ -118,10 +118,11 @@ inline ReferenceCurves run_reference_trainer(ReferenceTrainer t, int world, int 
 
 // One update as zeal makes it: the gradients in params[i].grad() clipped by zeal's rule (the global
 // norm summed in float64, torch's coefficient max_norm / (norm + 1e-6) applied when below 1: one
-// rounding per element) when clip > 0, then one step of `torch_opt`, or of `zeal_opt` (given) over
-// the parameters laid end to end at torch_opt's current learning rate. Returns the norm (0: no clip).
+// rounding per element) when clip > 0, then one step of `torch_opt`, or of zeal's optimizers (one per
+// parameter group of torch_opt, each over its group's parameters laid end to end, at that group's
+// current learning rate). Returns the norm (0: no clip).
 inline double clip_and_step(const std::vector<at::Tensor>& params, double clip, torch::optim::Optimizer& torch_opt,
-                            zeal::optim::Optimizer* zeal_opt) {
+                            const std::vector<zeal::optim::Optimizer*>& zeal_opts) {
   c10::NoGradGuard no_grad;
   double norm = 0;
   if (clip > 0) {
@@ -135,24 +136,34 @@ inline double clip_and_step(const std::vector<at::Tensor>& params, double clip, 
         if (p.grad().defined()) p.grad().mul_(coef);
     }
   }
-  if (!zeal_opt) {
+  if (zeal_opts.empty()) {
     torch_opt.step();
     return norm;
   }
-  std::vector<at::Tensor> ps, gs;
-  for (const auto& p : params) {
-    ps.push_back(p.detach().reshape({-1}));
-    gs.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}));
-  }
-  at::Tensor master = at::cat(ps), grads = at::cat(gs);
-  zeal_opt->set_lr(torch_opt.param_groups()[0].options().get_lr());
-  zeal_opt->step(master, grads);
-  int64_t off = 0;
-  for (const auto& p : params) {
-    p.detach().copy_(master.narrow(0, off, p.numel()).view(p.sizes()));
-    off += p.numel();
+  auto& groups = torch_opt.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<at::Tensor> ps, gs;
+    for (const auto& p : groups[g].params()) {
+      ps.push_back(p.detach().reshape({-1}));
+      gs.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}));
+    }
+    if (ps.empty()) continue;
+    at::Tensor master = at::cat(ps), grads = at::cat(gs);
+    zeal_opts.at(g)->set_lr(groups[g].options().get_lr());
+    zeal_opts.at(g)->step(master, grads);
+    int64_t off = 0;
+    for (const auto& p : groups[g].params()) {
+      p.detach().copy_(master.narrow(0, off, p.numel()).view(p.sizes()));
+      off += p.numel();
+    }
   }
   return norm;
+}
+
+inline double clip_and_step(const std::vector<at::Tensor>& params, double clip, torch::optim::Optimizer& torch_opt,
+                            zeal::optim::Optimizer* zeal_opt) {
+  return clip_and_step(params, clip, torch_opt,
+                       zeal_opt ? std::vector<zeal::optim::Optimizer*>{zeal_opt} : std::vector<zeal::optim::Optimizer*>{});
 }
 
 // Largest relative difference of two curves, step by step (0 when either is empty).

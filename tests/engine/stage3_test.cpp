@@ -266,7 +266,9 @@ TEST(Stage3, ChangingOrderTwiceUsedUnitAndEvalMatchStageZero) {
     EXPECT_GT(st[0], padded(24 * 5 + 5));  // units really were gathered
     EXPECT_GT(st[2], 0) << "the stable steps should have prefetched along the recorded order";
     EXPECT_GT(st[3], 0) << "the changing order should have been noticed";
-    EXPECT_EQ(st[4], padded(24 * 5 + 5)) << "after the last step only the root stays gathered";
+    // After the last eval forward the units its recorded order uses next stay prefetched, within the
+    // bound (they are released before the next optimizer step, so they never hold old values).
+    EXPECT_LE(st[4], bound);
   }
 }
 
@@ -282,6 +284,8 @@ TEST(Stage3, PrefetchChangesNothingButTiming) {
   s.prefetch = 50'000'000;
   const RunResult on = run_engine(s, "prefetch");
   EXPECT_TRUE(at::equal(on.params[0], off.params[0]));
+  EXPECT_GT(on.memory[0][7].item<double>(), 0) << "prefetches were issued in this run";
+  EXPECT_EQ(off.memory[0][7].item<double>(), 0) << "none without prefetch";
 }
 
 // LoRA inside units: frozen base weights sharded, gathered, never changed; adapters trained as in

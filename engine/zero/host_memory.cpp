@@ -1,0 +1,57 @@
+#include "engine/zero/host_memory.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+
+#include <sys/mman.h>
+
+#include <fmt/format.h>
+
+#include "engine/error.h"
+
+namespace zeal::zero {
+namespace {
+
+constexpr size_t kMapBytes = size_t{1} << 20;
+
+struct Mapping {
+  void* p;
+  size_t n;
+  static void unmap(void* ctx) {
+    auto* m = static_cast<Mapping*>(ctx);
+    munmap(m->p, m->n);
+    delete m;
+  }
+};
+
+c10::DataPtr map_bytes(size_t bytes, at::Device device) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw Error(fmt::format("cannot map {} bytes for a gathered unit or gradient staging", bytes));
+  return {p, new Mapping{p, bytes}, &Mapping::unmap, device};
+}
+
+}  // namespace
+
+void alloc_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (s->nbytes() == bytes) return;
+  s->set_data_ptr_noswap(t.device().is_cpu() && bytes >= kMapBytes ? map_bytes(bytes, t.device())
+                                                                   : s->allocator()->allocate(bytes));
+  s->set_nbytes(bytes);
+}
+
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+
+at::Tensor staging_zeros(int64_t n, const at::TensorOptions& o) {
+  const size_t bytes = static_cast<size_t>(n) * o.dtype().itemsize();
+  if (!o.device().is_cpu() || bytes < kMapBytes) return at::zeros({n}, o);
+  c10::Storage st(c10::Storage::use_byte_size_t(), bytes, map_bytes(bytes, o.device()), nullptr, false);
+  return at::empty({0}, o).set_(st, 0, {n}, {1});
+}
+
+}  // namespace zeal::zero

@@ -1,0 +1,183 @@
+#include "engine/zero/unit.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <fmt/format.h>
+
+#include "engine/error.h"
+#include "engine/zero/flat_params.h"
+#include "engine/zero/host_memory.h"
+#include "engine/zero/stage3.h"
+
+namespace zeal::zero {
+
+int64_t Unit::Part::bytes() const { return full.defined() ? full.numel() * full.element_size() : 0; }
+
+Unit::Unit(Stage3& owner, int index, std::string name) : owner_(owner), index_(index), name_(std::move(name)) {}
+
+int64_t Unit::gathered_bytes() const { return train_.bytes() + frozen_.bytes(); }
+
+at::Tensor Unit::build(Part& part, bool same_everywhere) {
+  if (part.params.empty()) return {};
+  Communicator& comm = owner_.comm();
+  const auto& o = owner_.options();
+  std::vector<int64_t> numels, offsets;
+  for (auto& p : part.params) numels.push_back(p.numel());
+  part.layout = std::make_unique<FlatLayout>(numels, comm.world_size(), o.align);
+  const FlatLayout& l = *part.layout;
+  for (int i = 0; i < l.num_params(); ++i) offsets.push_back(l.offset(i));
+  for (int64_t n : numels) numel_ += n;
+  at::Tensor init = initial_flat_values(part.params, offsets, l.padded_total(), comm, same_everywhere);
+  // Frozen integer parameters keep their dtype; everything floating computes in the compute dtype.
+  const at::ScalarType dtype = &part == &train_ || at::isFloatingType(part.params[0].scalar_type())
+                                   ? o.compute_dtype
+                                   : part.params[0].scalar_type();
+  part.full = init.to(dtype);  // init itself when already in that dtype
+  part.shard = part.full.narrow(0, l.shard_begin(comm.rank()), l.shard_size()).clone();
+  view_params_into(part.params, part.full, offsets);
+  return init;
+}
+
+void Unit::gather(bool wait, const char* phase) {
+  if (state_ == State::kReleased) {
+    Communicator& comm = owner_.comm();
+    CollectiveLabel label(comm, fmt::format("{}, {}", name_, phase));
+    for (Part* part : {&train_, &frozen_}) {
+      if (!part->layout) continue;
+      alloc_storage(part->full);
+      if (comm.world_size() > 1) {
+        pending_.push_back(comm.all_gather(part->shard, part->full));
+      } else {
+        part->full.copy_(part->shard);
+      }
+    }
+    state_ = State::kGathering;
+    if (!persistent_) owner_.fetch().count_gather();
+    owner_.fetch().add_gathered(gathered_bytes());
+  }
+  if (wait) wait_gather();
+}
+
+void Unit::wait_gather() {
+  for (auto& w : pending_) w.wait();
+  pending_.clear();
+  if (state_ == State::kGathering) state_ = State::kGathered;
+}
+
+void Unit::release() {
+  if (persistent_ || state_ == State::kReleased || holds_ > 0) return;
+  wait_gather();
+  for (Part* part : {&train_, &frozen_}) {
+    if (part->layout) free_storage(part->full);
+  }
+  state_ = State::kReleased;
+  owner_.fetch().sub_gathered(gathered_bytes());
+}
+
+// --- the lifecycle points ----------------------------------------------------------------------
+
+void Unit::pre_forward() {
+  owner_.check_abandoned_backward();
+  const bool training = at::GradMode::is_enabled();
+  c10::NoGradGuard no_grad;
+  if (state_ == State::kInBackward) return;  // a recomputation inside its own backward
+  gather(false, "pre_forward");  // first, so the prefetches issued next follow it in every rank's order
+  owner_.fetch().on_fetch(*this, training ? FetchCoordinator::Pass::kTraining : FetchCoordinator::Pass::kNoGrad);
+  wait_gather();
+}
+
+void Unit::post_forward() {
+  if (state_ == State::kInBackward || persistent_) return;
+  if (at::GradMode::is_enabled() && owner_.fetch().reused_soon(*this)) return;
+  release();
+}
+
+void Unit::pre_backward() {
+  owner_.on_backward_event();
+  c10::NoGradGuard no_grad;
+  if (state_ != State::kInBackward) {
+    gather(false, "pre_backward");
+    owner_.fetch().on_fetch(*this, FetchCoordinator::Pass::kTraining);
+    wait_gather();
+    state_ = State::kInBackward;
+  }
+  ++open_backwards_;
+}
+
+void Unit::post_backward() {
+  if (state_ != State::kInBackward || --open_backwards_ > 0) return;
+  c10::NoGradGuard no_grad;
+  state_ = State::kGathered;
+  release();
+}
+
+// --- gradients ---------------------------------------------------------------------------------
+
+void Unit::on_grad_ready(int i) {
+  owner_.on_backward_event();
+  c10::NoGradGuard no_grad;
+  at::Tensor& p = train_.params[i];
+  if (grads_ == Grads::kReduced) {
+    throw Error(fmt::format("the gradient of '{}' arrived after its unit '{}' was reduced in this backward pass",
+                            train_.names[i], name_));
+  }
+  if (!grad_staging_.defined()) {
+    grad_staging_ = staging_zeros(train_.layout->padded_total(), train_.shard.options().dtype(owner_.options().comm_dtype));
+  }
+  if (p.grad().defined()) {
+    grad_staging_.narrow(0, train_.layout->offset(i), p.numel()).add_(p.grad().reshape({-1}));
+    p.mutable_grad() = at::Tensor();
+  }
+  grads_ = ++arrived_ == static_cast<int>(train_.params.size()) ? Grads::kComplete : Grads::kArriving;
+  if (grads_ == Grads::kComplete) owner_.launch_ready_reductions();
+}
+
+Work Unit::reduce(bool wait) {
+  c10::NoGradGuard no_grad;
+  grads_ = Grads::kReduced;
+  if (!train_.layout) return {};
+  Communicator& comm = owner_.comm();
+  const FlatLayout& l = *train_.layout;
+  if (!grad_staging_.defined()) {
+    grad_staging_ = staging_zeros(l.padded_total(), train_.shard.options().dtype(owner_.options().comm_dtype));
+  }
+  Work w;
+  if (comm.world_size() > 1) {
+    // In 16 bits each rank's part is divided first, so the sum cannot overflow where the average
+    // would not (DeepSpeed's gradient pre-division); in fp32 the average is taken after the sum.
+    const bool predivide = at::elementSize(grad_staging_.scalar_type()) < 4;
+    if (predivide) grad_staging_.div_(comm.world_size());
+    CollectiveLabel label(comm, fmt::format("{}, gradients", name_));
+    at::Tensor mine = grad_staging_.narrow(0, l.shard_begin(comm.rank()), l.shard_size());
+    w = comm.reduce_scatter(grad_staging_, mine, predivide ? ReduceOp::kSum : ReduceOp::kAvg);
+  }
+  if (wait) {
+    w.wait();
+    finish_reduction();
+    return {};
+  }
+  return w;
+}
+
+void Unit::finish_reduction() {
+  c10::NoGradGuard no_grad;
+  if (!grad_staging_.defined()) return;
+  const FlatLayout& l = *train_.layout;
+  const at::Tensor mine = grad_staging_.narrow(0, l.shard_begin(owner_.comm().rank()), l.shard_size());
+  grad_shard_.add_(mine.scalar_type() == grad_shard_.scalar_type() ? mine : mine.to(grad_shard_.scalar_type()));
+  grad_staging_ = at::Tensor();
+}
+
+void Unit::reset_backward() {
+  c10::NoGradGuard no_grad;
+  grads_ = Grads::kIdle;
+  arrived_ = 0;
+  open_backwards_ = 0;
+  grad_staging_ = at::Tensor();
+  for (auto& p : train_.params) p.mutable_grad() = at::Tensor();
+  if (state_ == State::kInBackward) state_ = State::kGathered;
+  release();
+}
+
+}  // namespace zeal::zero

@@ -1,0 +1,116 @@
+// One ZeRO stage-3 sharding unit: a zeal::Sharded member's own parameters, or the root's (those
+// outside every Sharded member). Internal to engine/zero.
+//
+// The unit's trainable parameters (ordered by optimizer group) and its frozen ones are two flat
+// buffers (FlatLayout, padded to equal shards); each rank keeps one shard of each. Every parameter is,
+// for good, a view into its part's full buffer, whose storage exists only while the unit is gathered.
+//
+// Its parameters' life (State), each transition at a named moment:
+//   kReleased    only this rank's shards; the parameters keep their shapes without storage
+//   kGathering   the all-gather is in flight (a prefetch, or a fetch not yet waited for)
+//   kGathered    the full parameters are present (during and after a forward)
+//   kInBackward  present for the unit's backward: from pre_backward to post_backward
+// and the lifecycle points, named after the moment they run:
+//   pre_forward    the block's forward is about to run: gather (or take the prefetch) and wait
+//   post_forward   its forward returned: release, unless the unit is persistent, reused soon, or
+//                  inside its own backward (a recomputation)
+//   pre_backward   the gradient of its output is ready: its backward is next, gather again
+//   post_backward  every op of its backward has run (the identity on its inputs fired, or the
+//                  backward ended for a unit whose inputs need no gradient): release, frozen
+//                  parameters included
+// Its gradients in one backward (Grads): kIdle → kArriving (some arrived, staged) → kComplete (all
+// arrived, or the backward ended) → kReduced (reduce-scattered into this rank's gradient shard).
+// Reductions run in one fixed order on every rank (Stage3), not in arrival order.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/comm/communicator.h"
+#include "engine/zero/layout.h"
+
+namespace zeal::zero {
+
+class Stage3;
+
+class Unit {
+ public:
+  enum class State { kReleased, kGathering, kGathered, kInBackward };
+  enum class Grads { kIdle, kArriving, kComplete, kReduced };
+
+  // One flat buffer: the trainable or the frozen parameters.
+  struct Part {
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+    std::vector<int> groups;             // optimizer group of each (trainable part)
+    std::unique_ptr<FlatLayout> layout;  // null when the part is empty
+    at::Tensor shard;                    // compute dtype, this rank's slice
+    at::Tensor full;                     // compute dtype, the padded buffer; storage only while gathered
+    int64_t bytes() const;               // of `full` while gathered
+  };
+
+  Unit(Stage3& owner, int index, std::string name);
+  Unit(const Unit&) = delete;
+  Unit& operator=(const Unit&) = delete;
+
+  const std::string& name() const { return name_; }
+  int index() const { return index_; }
+  State state() const { return state_; }
+  Grads grads() const { return grads_; }
+  bool gathered() const { return state_ == State::kGathered || state_ == State::kInBackward; }
+  bool persistent() const { return persistent_; }
+  int64_t numel() const { return numel_; }         // elements of all its parameters
+  int64_t gathered_bytes() const;                   // its full buffers while gathered
+  bool has_trainable() const { return static_cast<bool>(train_.layout); }
+
+  // The lifecycle points (see above).
+  void pre_forward();
+  void post_forward();
+  void pre_backward();
+  void post_backward();
+
+ private:
+  friend class Stage3;
+  friend class FetchCoordinator;
+
+  // Lays the part out, takes its values (rank 0's unless `same_everywhere`), keeps this rank's
+  // shard and points the parameters into the full buffer (left gathered). Returns the float32
+  // values it laid out (the master weights come from them, before any cast).
+  at::Tensor build(Part& part, bool same_everywhere);
+  // All-gathers the shards into the full buffers (issues only, unless `wait`).
+  void gather(bool wait, const char* phase);
+  void wait_gather();
+  void release();
+  // A trainable parameter's gradient arrived (its accumulator's post hook): staged.
+  void on_grad_ready(int param);
+  // Reduce-scatters the staged gradients (zeros for those that never arrived) and adds this rank's
+  // part into the gradient shard; returns the collective, finished by finish_reduction().
+  Work reduce(bool wait);
+  void finish_reduction();
+  // Ends one backward for this unit (the engine's end-of-backward, or an aborted backward).
+  void reset_backward();
+
+  Stage3& owner_;
+  const int index_;
+  const std::string name_;
+  Part train_, frozen_;
+  State state_ = State::kGathered;  // build() leaves it gathered; Stage3 releases it
+  Grads grads_ = Grads::kIdle;
+  bool persistent_ = false;  // set once at construction (persistence threshold)
+  int64_t numel_ = 0;
+  int arrived_ = 0;
+  int open_backwards_ = 0;  // uses whose backward began and has not ended (a unit used twice)
+  int holds_ = 0;           // engine.gathered() guards holding it gathered
+  at::Tensor grad_shard_;    // accumulation dtype, train_ shard size: reduced gradients, summed over micro-steps
+  at::Tensor grad_staging_;  // communication dtype, train_ padded total: this backward's gradients
+  std::vector<Work> pending_;  // all-gathers in flight
+  std::vector<std::pair<int, size_t>> master_pieces_;  // (group, piece of its ShardStep) of this unit
+  std::vector<std::shared_ptr<void>> accumulators_;  // keep the gradient hooks alive
+};
+
+}  // namespace zeal::zero
