@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -123,6 +124,12 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
   // Under zeal launch the output goes through a pipe: keep it line by line so the rank
   // prefixes interleave sensibly and nothing is lost when the rank is stopped.
   if (std::getenv("ZEAL_LAUNCH")) std::setvbuf(stdout, nullptr, _IOLBF, 0);
+
+  // A peer that dies closes its sockets; the next write to one must fail with EPIPE (reported
+  // as that peer's failure), not kill this rank with SIGPIPE. Python ignores SIGPIPE for the same
+  // reason; a handler the program installed itself is left alone.
+  struct sigaction pipe_action {};
+  if (sigaction(SIGPIPE, nullptr, &pipe_action) == 0 && pipe_action.sa_handler == SIG_DFL) signal(SIGPIPE, SIG_IGN);
 
   if (env.world_size == 1) {
     m.store = c10::make_intrusive<c10d::HashStore>();

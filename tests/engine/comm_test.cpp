@@ -138,6 +138,7 @@ TEST(Failure, DeadPeerIsReportedQuicklyAndNamed) {
   bool named = false;
   for (int r : {0, 1}) {
     EXPECT_FALSE(results[r].ok());
+    EXPECT_EQ(results[r].signal, 0) << "rank " << r << " must report the dead peer, not die of SIGPIPE writing to it";
     const std::string& f = results[r].failure;
     EXPECT_NE(f.find("collective #2"), std::string::npos) << f;
     EXPECT_NE(f.find("missing: rank 2 has not reached it"), std::string::npos) << f;
