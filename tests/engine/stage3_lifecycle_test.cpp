@@ -336,3 +336,117 @@ TEST(Stage3Lifecycle, PrefetchAcrossAStepNeverServesOldValues) {
   ASSERT_EQ(zero.failures, "");
   EXPECT_TRUE(at::equal(three.params[0], zero.params[0]));
 }
+
+namespace {
+
+// A decoder block that returns its hidden state and a cache (here a projection of its input, as a
+// key cache would be): a tuple from a Sharded forward.
+struct CachingBlockImpl : torch::nn::Module {
+  CachingBlockImpl() {
+    fc = register_module("fc", torch::nn::Linear(kDim, kDim));
+    key = register_module("key", torch::nn::Linear(kDim, kDim));
+  }
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, int64_t /*position*/) {
+    return {x + at::tanh(fc(x)), key(x)};
+  }
+  torch::nn::Linear fc{nullptr}, key{nullptr};
+};
+TORCH_MODULE(CachingBlock);
+
+struct CachingNetImpl : torch::nn::Module {
+  CachingNetImpl() {
+    wte = register_module("wte", torch::nn::Embedding(kVocab, kDim));
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("block" + std::to_string(i), zeal::Sharded<CachingBlock>()));
+  }
+  at::Tensor forward(const at::Tensor& idx) {
+    at::Tensor h = wte(idx), caches = at::zeros_like(h);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      auto [out, cache] = blocks[i]->forward(h, static_cast<int64_t>(i));
+      h = out;
+      caches = caches + cache;  // the cache takes part in the loss too
+    }
+    return at::matmul(h + 0.1 * caches, wte->weight.t());
+  }
+  torch::nn::Embedding wte{nullptr};
+  std::vector<zeal::Sharded<CachingBlock>> blocks;
+};
+TORCH_MODULE(CachingNet);
+
+}  // namespace
+
+// A block whose forward takes a tensor and an integer and returns a tuple: every output's gradient
+// reaches its unit, against one LibTorch process and stage 0.
+TEST(Stage3Lifecycle, BlocksMayReturnTuples) {
+  for (int world : {2, 3}) {
+    TokenRun r = released(TokenRun{});
+    r.world = world;
+    check_against_references<CachingNet>(r, "tuple outputs");
+  }
+}
+
+// Eval forwards (no gradient) prefetch along their own recorded order: once one pass is recorded,
+// the next ones prefetch (counted), and the outputs are those of stage 0, bit for bit.
+TEST(Stage3Lifecycle, NoGradPassesPrefetchAlongTheirOwnOrder) {
+  const std::string dir = temp_dir("nograd_prefetch");
+  for (int stage : {0, 3}) {
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          TokenRun r = released(TokenRun{});
+          r.stage = stage;
+          r.max_live = 1'000'000'000;
+          zeal::Engine engine(token_config(r), rt);
+          at::manual_seed(r.seed);
+          PeftNet model;
+          auto opt = token_optimizer(*model, r);
+          auto [m, o] = engine.prepare(model, *opt);
+          const at::Tensor idx = token_table(r).narrow(0, 0, 4).narrow(1, 0, r.seq);
+          std::vector<at::Tensor> outs;
+          torch::NoGradGuard eval;
+          for (int pass = 0; pass < 4; ++pass) outs.push_back(m->forward(idx));
+          const auto counts = engine.fetch_counts();
+          if (engine.is_main_process()) {
+            write_tensor(dir + "/out" + std::to_string(stage), at::cat(outs).reshape({-1}));
+            write_tensor(dir + "/prefetched" + std::to_string(stage), at::tensor({double(counts.prefetched)}, at::kDouble));
+          }
+        },
+        2);
+    ASSERT_EQ(zeal::describe_failures(results), "");
+  }
+  EXPECT_TRUE(at::equal(read_tensor(dir + "/out3"), read_tensor(dir + "/out0")));
+  const double prefetched = read_tensor(dir + "/prefetched3")[0].item<double>();
+  std::printf("[ metric ] 4 eval passes over 7 units: %.0f prefetches\n", prefetched);
+  EXPECT_GT(prefetched, 0);
+}
+
+// engine.full_grad after the backward: every parameter's whole reduced gradient, the same in every
+// stage at two ranks with one micro-step (the same arithmetic), and on every rank.
+TEST(Stage3Lifecycle, FullGradIsTheSameInEveryStage) {
+  const std::string dir = temp_dir("full_grad");
+  for (int stage : {0, 1, 2, 3}) {
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          TokenRun r = released(TokenRun{});
+          r.stage = stage;
+          zeal::Engine engine(token_config(r), rt);
+          at::manual_seed(r.seed);
+          PeftNet model;
+          auto opt = token_optimizer(*model, r);
+          auto [m, o] = engine.prepare(model, *opt);
+          const at::Tensor batch = token_batch(r, token_table(r), 0, engine.process_index(), 0);
+          engine.backward(token_loss(m, batch, kVocab));
+          std::vector<at::Tensor> grads;
+          for (auto& p : unique_trainable(*m)) grads.push_back(engine.full_grad(p).reshape({-1}).to(at::kDouble));
+          write_tensor(dir + "/g" + std::to_string(stage) + "_" + std::to_string(engine.process_index()), at::cat(grads));
+        },
+        2);
+    ASSERT_EQ(zeal::describe_failures(results), "");
+  }
+  const at::Tensor g0 = read_tensor(dir + "/g0_0");
+  EXPECT_GT(g0.abs().max().item<double>(), 0);
+  for (int stage : {0, 1, 2, 3}) {
+    for (int rank : {0, 1}) {
+      EXPECT_TRUE(at::equal(read_tensor(dir + "/g" + std::to_string(stage) + "_" + std::to_string(rank)), g0))
+          << "stage " << stage << " rank " << rank;
+    }
+  }
+}
