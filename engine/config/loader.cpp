@@ -243,6 +243,10 @@ class Loader {
       return;
     }
     if (const std::string* why = cd::not_applicable_reason(path)) {
+      if (const auto refused = cd::refusal_reason(path, v)) {
+        error(location(file, k), path, *refused);
+        return;
+      }
       c_.recorded[path] = YAML::Dump(v);
       c_.notes.push_back(fmt::format("{}: {}: {}", location(file, k), path, *why));
       return;

@@ -431,25 +431,54 @@ std::vector<Field> make_fields() {
 }
 
 std::map<std::string, std::string> make_not_applicable() {
-  const std::string unused = "accepted for compatibility; zeal does not use it";
-  std::map<std::string, std::string> m;
-  for (const char* k :
-       {"fp8_config", "parallelism_config", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients",
-        "gradient_predivide_factor", "sparse_gradients", "memory_breakdown",
-        "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
-        "activation_checkpointing", "dump_state", "checkpoint", "elasticity", "autotuning",
-        "compression_training", "data_efficiency", "seq_parallel_communication_data_type", "fp16.auto_cast",
-        "zero_optimization.load_from_fp32_weights", "zero_optimization.elastic_checkpoint",
-        "zero_optimization.ignore_unused_parameters", "zero_optimization.memory_efficient_linear",
-        "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
-        "zero_optimization.offload_optimizer.pipeline", "zero_optimization.mics_shard_size",
-        "zero_optimization.zero_hpz_partition_size", "zero_optimization.zero_quantized_weights",
-        "zero_optimization.zero_quantized_gradients", "zero_optimization.stage3_module_granularity_threshold",
-        "zero_optimization.log_trace_cache_warnings", "aio.use_gds", "aio.intra_op_parallelism",
-        "bf16.immediate_grad_update", "bf16.check_grad_overflow", "optimizer.params.torch_adam",
-        "scheduler.params.last_batch_iteration"})
-    m[k] = unused;
-  return m;
+  // Each key with why accepting it without effect cannot change a result. Keys whose values would
+  // change the math are refused instead (refusal_reason below).
+  return {
+      {"fp8_config", "Accelerate's fp8 settings; zeal computes in fp32, bf16 or fp16 (content is refused)"},
+      {"parallelism_config", "Accelerate's tensor/context parallel settings; zeal shards with ZeRO only"},
+      {"zero_allow_untested_optimizer", "DeepSpeed's guard against optimizers it has not tested; zeal builds its own"},
+      {"zero_force_ds_cpu_optimizer", "chooses DeepSpeed's CPU Adam implementation; zeal's runs on CPU partitions"},
+      {"prescale_gradients", "whether DeepSpeed divides by the world size before or after the sum: the same average "
+                             "(zeal divides after in fp32, before in 16-bit communication)"},
+      {"gradient_predivide_factor", "divides before the sum and multiplies back after: the same average"},
+      {"sparse_gradients", "a sparse all-reduce for embedding gradients; zeal reduces them dense, the same sums"},
+      {"memory_breakdown", "DeepSpeed's memory printout; use engine.memory()"},
+      {"flops_profiler", "a profiler; nothing it does reaches the training"},
+      {"tensorboard", "a logger"},
+      {"wandb", "a logger"},
+      {"csv_monitor", "a logger"},
+      {"comet", "a logger"},
+      {"comms_logger", "a logger of collectives; use ZEAL_DEBUG_COLLECTIVES"},
+      {"activation_checkpointing", "recomputes activations to save memory; the values are the same"},
+      {"dump_state", "prints DeepSpeed's state at start"},
+      {"checkpoint", "DeepSpeed's checkpoint options (tag validation, loading of universal checkpoints)"},
+      {"elasticity", "elastic batch sizes (an enabled section is refused: it would change the batch)"},
+      {"autotuning", "DeepSpeed's autotuner, a separate tool"},
+      {"compression_training", "quantization and pruning during training (content is refused)"},
+      {"data_efficiency", "curriculum and token dropping (an enabled section is refused: it changes the data)"},
+      {"seq_parallel_communication_data_type", "sequence parallelism, which zeal does not do"},
+      {"fp16.auto_cast", "casting floating inputs to fp16 (true is refused: use engine.autocast())"},
+      {"zero_optimization.load_from_fp32_weights", "a checkpoint-loading choice"},
+      {"zero_optimization.elastic_checkpoint", "a checkpoint-format choice"},
+      {"zero_optimization.ignore_unused_parameters", "zeal always reduces zeros for parameters without a gradient"},
+      {"zero_optimization.memory_efficient_linear", "a memory-saving Linear implementation; the same values"},
+      {"zero_optimization.offload_optimizer.pipeline_read", "overlap of NVMe reads; timing only"},
+      {"zero_optimization.offload_optimizer.pipeline_write", "overlap of NVMe writes; timing only"},
+      {"zero_optimization.offload_optimizer.pipeline", "overlap of NVMe reads and writes; timing only"},
+      {"zero_optimization.mics_shard_size", "MiCS sharding groups: where shards live, not what is computed"},
+      {"zero_optimization.zero_hpz_partition_size", "ZeRO++'s secondary partition: where shards live"},
+      {"zero_optimization.zero_quantized_weights", "ZeRO++'s quantized weights (true is refused)"},
+      {"zero_optimization.zero_quantized_gradients", "ZeRO++'s quantized gradients (true is refused)"},
+      {"zero_optimization.stage3_module_granularity_threshold", "fuses DeepSpeed's small modules; zeal's units are "
+                                                                "the Sharded members"},
+      {"zero_optimization.log_trace_cache_warnings", "logging"},
+      {"aio.use_gds", "GPUDirect Storage; timing only"},
+      {"aio.intra_op_parallelism", "threads of DeepSpeed's aio; timing only"},
+      {"bf16.immediate_grad_update", "DeepSpeed adds bf16 gradients into fp32 at once; zeal accumulates in fp32 too"},
+      {"bf16.check_grad_overflow", "zeal always checks gradients for inf and nan"},
+      {"optimizer.params.torch_adam", "torch's Adam or DeepSpeed's fused one: the same update"},
+      {"scheduler.params.last_batch_iteration", "where a schedule starts (-1, the start; another value is refused)"},
+  };
 }
 
 size_t edit_distance(const std::string& a, const std::string& b) {
@@ -472,6 +501,44 @@ std::string leaf(const std::string& key) {
 }
 
 }  // namespace
+
+namespace {
+
+bool yaml_true(const YAML::Node& n) {
+  if (!n || !n.IsScalar()) return false;
+  std::string v = n.Scalar();
+  for (auto& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return v == "true" || v == "yes" || v == "on";
+}
+bool section_enabled(const YAML::Node& n) { return n.IsMap() && yaml_true(n["enabled"]); }
+bool has_content(const YAML::Node& n) { return (n.IsMap() || n.IsSequence()) && n.size() > 0; }
+}  // namespace
+
+std::optional<std::string> refusal_reason(const std::string& key, const YAML::Node& v) {
+  if ((key == "zero_optimization.zero_quantized_weights" || key == "zero_optimization.zero_quantized_gradients") &&
+      yaml_true(v)) {
+    return "zeal does not quantize weights or gradients (it would change every update); set it to false or leave it out";
+  }
+  if (key == "fp16.auto_cast" && yaml_true(v)) {
+    return "zeal does not cast the model's inputs; run the forward under engine.autocast() instead, and set this to "
+           "false or leave it out";
+  }
+  if (key == "scheduler.params.last_batch_iteration" && v.IsScalar() && v.Scalar() != "-1") {
+    return "a schedule started at another step changes every learning rate; leave it at -1 (a resumed run continues "
+           "its schedule from the checkpoint)";
+  }
+  if (key == "compression_training" && has_content(v)) {
+    return "zeal does not quantize or prune during training (it would change the model); remove the section";
+  }
+  if ((key == "data_efficiency" || key == "elasticity") && section_enabled(v)) {
+    return key == "elasticity" ? "elastic training changes the batch sizes; zeal trains the configured ones (set "
+                                 "enabled: false)"
+                               : "curriculum learning and token dropping change the data; zeal does not do them (set "
+                                 "enabled: false)";
+  }
+  if (key == "fp8_config" && has_content(v)) return "zeal does not compute in fp8; remove the section";
+  return std::nullopt;
+}
 
 const std::vector<Field>& fields() {
   static const std::vector<Field> f = make_fields();
@@ -504,8 +571,13 @@ std::vector<std::string> keys_under(const std::string& section) {
   return out;
 }
 
-const std::string* not_applicable_reason(const std::string& key) {
+const std::map<std::string, std::string>& not_applicable_keys() {
   static const auto m = make_not_applicable();
+  return m;
+}
+
+const std::string* not_applicable_reason(const std::string& key) {
+  const auto& m = not_applicable_keys();
   auto it = m.find(key);
   return it == m.end() ? nullptr : &it->second;
 }

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <functional>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,8 +34,13 @@ bool is_section(const std::string& path);
 // Keys directly under a section ("" for the top level): field leaves and sub-sections.
 std::vector<std::string> keys_under(const std::string& section);
 
-// DeepSpeed and Accelerate keys that zeal accepts but does not use: key → why.
+// DeepSpeed and Accelerate keys that zeal accepts but does not use: key → why that changes no result.
 const std::string* not_applicable_reason(const std::string& key);
+// Every such key with its reason (README's table).
+const std::map<std::string, std::string>& not_applicable_keys();
+// For such a key whose value would change the math (a quantization switched on, a schedule started
+// elsewhere): why it is refused.
+std::optional<std::string> refusal_reason(const std::string& key, const YAML::Node& value);
 
 // The candidate nearest to `word` by edit distance, or "" when none is near enough to suggest.
 std::string closest(const std::vector<std::string>& candidates, const std::string& word);

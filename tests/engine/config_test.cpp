@@ -5,10 +5,12 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <sstream>
 
 #include "engine/config/config.h"
+#include "engine/config/schema.h"
 #include "engine/error.h"
 
 namespace fs = std::filesystem;
@@ -353,5 +355,14 @@ TEST(Config, KeyReferenceCoversEveryKeyTheIssueNames) {
         "gradient_clipping", "optimizer.type", "scheduler.type", "steps_per_print", "wall_clock_breakdown",
         "comm_timeout"}) {
     EXPECT_TRUE(keys.count(k)) << k;
+  }
+}
+
+// README lists every key zeal accepts without effect, with its reason, as the schema has it.
+TEST(ConfigDocs, ReadmeListsEveryKeyAcceptedWithoutEffect) {
+  std::ifstream f(std::string(ZEAL_SOURCE_DIR) + "/README.md");
+  const std::string readme((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  for (const auto& [key, why] : zeal::config_detail::not_applicable_keys()) {
+    EXPECT_NE(readme.find("| `" + key + "` | " + why + " |"), std::string::npos) << key;
   }
 }
