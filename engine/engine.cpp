@@ -20,6 +20,7 @@
 #include "engine/optim/loss_scale.h"
 #include "engine/optim/optimizer.h"
 #include "engine/runtime/runtime.h"
+#include "engine/zero/host_memory.h"
 #include "engine/zero/init.h"
 #include "engine/zero/stage3.h"
 #include "engine/zero/zero_optimizer.h"
@@ -140,6 +141,8 @@ void Engine::init() {
   } catch (const std::invalid_argument& e) {
     throw Error(e.what());
   }
+
+  zero::keep_large_allocations_mapped();
 
   if (z.offload_optimizer.device != OffloadDevice::kNone || z.offload_param.device != OffloadDevice::kNone) {
     throw Error("zero_optimization.offload_optimizer / offload_param: offload is not available in this version; set "

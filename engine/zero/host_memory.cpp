@@ -4,6 +4,13 @@
 #include <c10/core/StorageImpl.h>
 
 #include <sys/mman.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
 
 #include <fmt/format.h>
 
@@ -52,6 +59,17 @@ at::Tensor staging_zeros(int64_t n, const at::TensorOptions& o) {
   if (!o.device().is_cpu() || bytes < kMapBytes) return at::zeros({n}, o);
   c10::Storage st(c10::Storage::use_byte_size_t(), bytes, map_bytes(bytes, o.device()), nullptr, false);
   return at::empty({0}, o).set_(st, 0, {n}, {1});
+}
+
+void keep_large_allocations_mapped() {
+#if defined(__GLIBC__)
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* tunables = std::getenv("GLIBC_TUNABLES");
+    if (std::getenv("MALLOC_MMAP_THRESHOLD_") || (tunables && std::strstr(tunables, "mmap_threshold"))) return;
+    mallopt(M_MMAP_THRESHOLD, static_cast<int>(kMapBytes));  // fixed: no longer raised by frees
+  });
+#endif
 }
 
 }  // namespace zeal::zero
