@@ -10,7 +10,13 @@
 // step; one untimed warm-up step first) and the per-rank peak memory: the peak resident set
 // (VmHWM, reset through /proc/self/clear_refs) above the resident set just before the model is
 // built, the most over ranks. The same method runs inside the Python peer. zeal stage 3 builds
-// the model with engine.init (zero3_init_flag).
+// the model with engine.init (zero3_init_flag) and runs twice: with DeepSpeed's defaults (units stay
+// gathered within stage3_max_live_parameters) and FSDP-style (every unit released after its forward
+// and its backward, one block gathered ahead). FSDP2 runs twice too: as it comes, and with glibc's
+// mmap threshold held at a MiB (MALLOC_MMAP_THRESHOLD_), the setting zeal's engine makes.
+//
+// Each zeal row's peak is printed against its floor: the stage table's model states + the unit
+// parameters the settings let be gathered + the activations (stage 0's peak minus its model states).
 //
 // Each configuration is its own group of processes holding its own model, too large to keep them
 // all alive and interleave them step by step; so every configuration runs once per round, R rounds,
@@ -85,6 +91,8 @@ struct Run {
 // One configuration over the rounds: each round's median step and peak.
 struct Row {
   std::string name;
+  int stage = -1;  // zeal's rows
+  bool fsdp_style = false;
   bool ok = true;
   std::string why;
   zeal_bench::Series step_s, peak_bytes;
@@ -101,10 +109,27 @@ struct Row {
   }
 };
 
+std::string zeal_row_name(int stage, bool fsdp_style) {
+  return fsdp_style ? "zeal stage 3, FSDP-style" : fmt::format("zeal stage {}", stage);
+}
+
+// FSDP2's release policy in stage 3's keys: every unit released after its forward and after its
+// backward (no reuse distance, nothing persistent), at most one more block gathered ahead.
+void apply_fsdp_style(zeal::Config& c, const zeal::models::GptConfig& m) {
+  c.zero.stage3_param_persistence_threshold = {0, false};
+  c.zero.stage3_max_reuse_distance = 0;
+  c.zero.stage3_max_live_parameters = 12 * m.dim * m.dim + 13 * m.dim;
+}
+
+std::string peer_row_name(const std::string& mode, bool mapped) {
+  if (mode == "ddp") return "PyTorch DDP";
+  return mapped ? "PyTorch FSDP2, 1 MiB mmap threshold" : "PyTorch FSDP2";
+}
+
 // One zeal configuration on `world` ranks; each rank writes its times and peak to `dir`.
-Run run_zeal(const Options& o, int stage, const at::Tensor& tokens, const std::string& dir) {
+Run run_zeal(const Options& o, int stage, bool fsdp_style, const at::Tensor& tokens, const std::string& dir) {
   Run row;
-  row.name = fmt::format("zeal stage {}", stage);
+  row.name = zeal_row_name(stage, fsdp_style);
   const auto cfg = zeal::models::gpt_preset(o.model);
   zeal::SpawnOptions so;
   so.comm_timeout = 1800;
@@ -114,6 +139,7 @@ Run run_zeal(const Options& o, int stage, const at::Tensor& tokens, const std::s
         zeal::Config c = zeal::Config::defaults(false);
         c.zero.stage = stage;
         c.zero.zero3_init_flag = true;
+        if (fsdp_style) apply_fsdp_style(c, cfg);
         c.gradient_clipping = {1.0, false};
         zeal::Engine engine(c, rt);
         reset_peak_rss();
@@ -153,14 +179,14 @@ Run run_zeal(const Options& o, int stage, const at::Tensor& tokens, const std::s
   return row;
 }
 
-Run run_peer(const Options& o, const std::string& mode, const std::string& tokens_path) {
+Run run_peer(const Options& o, const std::string& mode, const std::string& tokens_path, bool mapped = false) {
   Run row;
-  row.name = mode == "fsdp2" ? "PyTorch FSDP2" : "PyTorch DDP";
+  row.name = peer_row_name(mode, mapped);
   const auto cfg = zeal::models::gpt_preset(o.model);
   const std::string cmd = fmt::format(
-      "OMP_NUM_THREADS={} '{}' '{}/fsdp2_peer.py' --mode {} --tokens '{}' --world {} --threads {} --steps {} "
+      "{}OMP_NUM_THREADS={} '{}' '{}/fsdp2_peer.py' --mode {} --tokens '{}' --world {} --threads {} --steps {} "
       "--micro_batch {} --seq_len {} --vocab {} --context {} --layers {} --dim {} --heads {} 2>/dev/null",
-      o.threads, o.python, ZEAL_BENCH_DIR, mode, tokens_path, o.world, o.threads, o.steps, o.micro_batch, o.seq_len,
+      mapped ? "MALLOC_MMAP_THRESHOLD_=1048576 " : "", o.threads, o.python, ZEAL_BENCH_DIR, mode, tokens_path, o.world, o.threads, o.steps, o.micro_batch, o.seq_len,
       cfg.vocab, cfg.context, cfg.layers, cfg.dim, cfg.heads);
   const json r = zeal_bench::run_peer_json(cmd, o.python);
   if (r.contains("error")) {
@@ -239,17 +265,28 @@ int main(int argc, char** argv) {
   struct Config {
     std::string name;
     std::function<Run()> run;
+    int stage = -1;
+    bool fsdp_style = false;
   };
   std::vector<Config> configs;
   for (int stage : o.stages) {
-    configs.push_back({fmt::format("zeal stage {}", stage), [&, stage] { return run_zeal(o, stage, tokens, dir); }});
+    configs.push_back(
+        {zeal_row_name(stage, false), [&, stage] { return run_zeal(o, stage, false, tokens, dir); }, stage, false});
+    if (stage == 3) configs.push_back({zeal_row_name(3, true), [&] { return run_zeal(o, 3, true, tokens, dir); }, 3, true});
   }
   if (o.peers) {
     configs.push_back({"PyTorch FSDP2", [&] { return run_peer(o, "fsdp2", tokens_path); }});
+    // FSDP2 again with glibc's mmap threshold held at a MiB, as zeal's engine holds it: how much of
+    // the difference in peak memory is that setting alone.
+    configs.push_back({peer_row_name("fsdp2", true), [&] { return run_peer(o, "fsdp2", tokens_path, true); }});
     configs.push_back({"PyTorch DDP", [&] { return run_peer(o, "ddp", tokens_path); }});
   }
   std::vector<Row> rows(configs.size());
-  for (size_t i = 0; i < configs.size(); ++i) rows[i].name = configs[i].name;
+  for (size_t i = 0; i < configs.size(); ++i) {
+    rows[i].name = configs[i].name;
+    rows[i].stage = configs[i].stage;
+    rows[i].fsdp_style = configs[i].fsdp_style;
+  }
   for (int r = 0; r < o.rounds; ++r) {
     for (size_t k = 0; k < configs.size(); ++k) {
       const size_t i = (k + static_cast<size_t>(r)) % configs.size();
@@ -303,6 +340,10 @@ int main(int argc, char** argv) {
   };
   std::printf("\nRatios, median over rounds (min–max of the per-round ratios):\n");
   pair("fsdp2", "zeal stage 3 / FSDP2 (goal: <= 1.0 for both)", find("zeal stage 3"), find("PyTorch FSDP2"));
+  pair("fsdp2_fsdp_style", "zeal stage 3, FSDP-style / FSDP2 (goal: time <= 1.0, peak memory <= 0.8)",
+       find(zeal_row_name(3, true)), find("PyTorch FSDP2"));
+  pair("fsdp2_mapped_fsdp_style", "zeal stage 3, FSDP-style / FSDP2 with a 1 MiB mmap threshold",
+       find(zeal_row_name(3, true)), find(peer_row_name("fsdp2", true)));
   const Row* s0 = find("zeal stage 0");
   const Row* ddp = find("PyTorch DDP");
   {
@@ -312,6 +353,52 @@ int main(int argc, char** argv) {
     zeal_bench::put_ratio(result, "stage0_memory_ratio_vs_ddp", m);
     if (t.valid) std::printf("zeal stage 0 / DDP: time %s, peak memory %s\n", t.text(3).c_str(), m.text(3).c_str());
   }
+
+  // Each zeal row's peak against its floor: the stage table's model states per rank (fp32: P = G = 4
+  // bytes, K = 12 for the master and Adam's m, v), plus the unit parameters the stage-3 settings let
+  // be gathered at once (the root, used at both ends of the pass, + the unit being used +
+  // stage3_max_live_parameters; everything with the defaults), plus the activations: stage 0's
+  // peak minus its model states (its peak is already above the process's baseline). All from the
+  // model's sizes, none from the engine's report.
+  if (s0) {
+    const double psi = static_cast<double>(cfg.num_parameters()), n = o.world;
+    const double root = static_cast<double>((cfg.vocab + cfg.context) * cfg.dim + 2 * cfg.dim);
+    const double block = static_cast<double>(12 * cfg.dim * cfg.dim + 13 * cfg.dim);
+    auto states = [&](int stage) {
+      switch (stage) {
+        case 0: return 20 * psi;
+        case 1: return 8 * psi + 12 * psi / n;
+        case 2: return 4 * psi + 16 * psi / n;
+        default: return 20 * psi / n;
+      }
+    };
+    auto live = [&](const Row& r) {
+      if (r.stage != 3) return 0.0;
+      zeal::Config c = zeal::Config::defaults(false);
+      if (r.fsdp_style) apply_fsdp_style(c, cfg);
+      return 4 * std::min(psi, root + block + static_cast<double>(c.zero.stage3_max_live_parameters));
+    };
+    const double activations = s0->peak_bytes.median() - states(0);
+    std::printf("\nPeak against the floor (model states + live units + activations of %s):\n\n"
+                "| configuration | peak | model states | live units | floor | peak / floor |\n|---|---|---|---|---|---|\n",
+                zeal::format_bytes(activations).c_str());
+    json floors = json::object();
+    for (const auto& r : rows) {
+      if (!r.ok || r.stage < 0) continue;
+      const double floor = states(r.stage) + live(r) + activations;
+      const double ratio = r.peak_bytes.median() / floor;
+      std::printf("| %s | %s | %s | %s | %s | %.3f |\n", r.name.c_str(), zeal::format_bytes(r.peak_bytes.median()).c_str(),
+                  zeal::format_bytes(states(r.stage)).c_str(), zeal::format_bytes(live(r)).c_str(),
+                  zeal::format_bytes(floor).c_str(), ratio);
+      floors[r.name] = {{"floor_bytes", floor}, {"model_states_bytes", states(r.stage)}, {"live_unit_bytes", live(r)},
+                        {"peak_ratio_vs_floor", ratio}};
+      if (r.stage == 3) result[r.fsdp_style ? "stage3_peak_ratio_vs_floor" : "stage3_default_peak_ratio_vs_floor"] = ratio;
+    }
+    result["activation_bytes"] = activations;
+    result["floors"] = floors;
+    std::printf("goal: the FSDP-style stage-3 row <= 1.15 x its floor\n");
+  }
+
   std::printf("\n");
   env.print();
   result["environment"] = env.json();
