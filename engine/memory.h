@@ -33,6 +33,8 @@ struct MemoryReport {
 //   stage 2: P·Ψ + (G + M + O)·Ψ/N    stage 3: (P + G + M + O)·Ψ/N
 // with P, G the bytes per parameter and gradient element (2 in bf16/fp16, 4 in fp32), M = 4 for
 // the fp32 master and O the optimizer's state bytes (8 for Adam): K = M + O = 12 as in DESIGN.md.
+// Parameters that compute in fp32 with a fused optimizer (Adam, AdamW) are their own master
+// weights: M = 0.
 struct StageModel {
   int stage = 0;
   int64_t psi = 0;

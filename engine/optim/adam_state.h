@@ -15,9 +15,10 @@ class AdamState : public Optimizer {
  public:
   AdamState(Hyper h, bool decoupled) : Optimizer(h), decoupled_(decoupled) {}
 
-  void allocate_state(const at::Tensor& params) override {
-    exp_avg_ = at::zeros_like(params);
-    exp_avg_sq_ = at::zeros_like(params);
+  using Optimizer::allocate_state;
+  void allocate_state(int64_t n, const at::TensorOptions& o) override {
+    exp_avg_ = at::zeros({n}, o.dtype(at::kFloat));
+    exp_avg_sq_ = at::zeros({n}, o.dtype(at::kFloat));
   }
   std::map<std::string, at::Tensor> state() const override {
     if (!exp_avg_.defined()) return {};
@@ -28,13 +29,14 @@ class AdamState : public Optimizer {
 
  protected:
   // Creates the state at the first step; the partition may not change size afterwards.
-  void ensure_state(const at::Tensor& params) {
+  void ensure_state(int64_t n, const at::TensorOptions& o) {
     if (!exp_avg_.defined()) {
-      allocate_state(params);
-    } else if (exp_avg_.numel() != params.numel()) {
-      throw Error(fmt::format("{}: the partition changed from {} to {} elements", name(), exp_avg_.numel(), params.numel()));
+      allocate_state(n, o);
+    } else if (exp_avg_.numel() != n) {
+      throw Error(fmt::format("{}: the partition changed from {} to {} elements", name(), exp_avg_.numel(), n));
     }
   }
+  void ensure_state(const at::Tensor& params) { ensure_state(params.numel(), params.options()); }
   bool decoupled_;
   at::Tensor exp_avg_, exp_avg_sq_;
 };

@@ -34,11 +34,9 @@ class FusedAdam final : public AdamState {
     fused_step(params, {all}, 1.0);
   }
 
-  void fused_step(const at::Tensor& params, const std::vector<FusedSegment>& segments, double grad_scale) override {
-    if (params.scalar_type() != at::kFloat || !params.is_contiguous() || !(params.is_cpu() || params.is_cuda())) {
-      throw Error(fmt::format("{}: needs contiguous float32 parameters on the CPU or a CUDA device", name()));
-    }
-    ensure_state(params);
+  void fused_update(int64_t n, at::Device device, const std::vector<FusedSegment>& segments,
+                    double grad_scale) override {
+    ensure_state(n, at::TensorOptions().dtype(at::kFloat).device(device));
     ++steps_;
     cpu::AdamHyper h;
     h.lr = hyper_.lr;
@@ -50,13 +48,15 @@ class FusedAdam final : public AdamState {
     h.bias_correction = hyper_.bias_correction;
     h.step = steps_;
     h.grad_scale = grad_scale;
-    if (params.is_cuda()) return cuda_step(h, params, segments);
+    for (const FusedSegment& s : segments) {
+      ZEAL_CHECK(s.offset >= 0 && s.offset + s.n <= n && (s.master || s.n == 0)) << "segment outside the partition";
+    }
+    if (device.is_cuda()) return cuda_step(h, segments);
     const int threads = at::get_num_threads();
     for (const FusedSegment& s : segments) {
-      ZEAL_CHECK(s.offset >= 0 && s.offset + s.n <= params.numel()) << "segment outside the partition";
       if (s.n == 0) continue;
       cpu::AdamPartition p;
-      p.master = params.data_ptr<float>() + s.offset;
+      p.master = s.master;
       p.m = exp_avg_.data_ptr<float>() + s.offset;
       p.v = exp_avg_sq_.data_ptr<float>() + s.offset;
       p.grad = s.grad;
@@ -69,19 +69,18 @@ class FusedAdam final : public AdamState {
   }
 
  private:
-  void cuda_step(const cpu::AdamHyper& h, const at::Tensor& params, const std::vector<FusedSegment>& segments) {
+  void cuda_step(const cpu::AdamHyper& h, const std::vector<FusedSegment>& segments) {
 #ifdef ZEAL_HAVE_CUDA
     std::vector<cuda::AdamTensor> tensors;
     for (const FusedSegment& s : segments) {
-      ZEAL_CHECK(s.offset >= 0 && s.offset + s.n <= params.numel()) << "segment outside the partition";
       ZEAL_CHECK(s.grad_type == segments[0].grad_type && s.copy_type == segments[0].copy_type && !s.copy == !segments[0].copy)
           << "segments of one step share their gradient and copy types";
-      tensors.push_back({params.data_ptr<float>() + s.offset, exp_avg_.data_ptr<float>() + s.offset,
-                         exp_avg_sq_.data_ptr<float>() + s.offset, s.grad, s.copy, s.n});
+      tensors.push_back({s.master, exp_avg_.data_ptr<float>() + s.offset, exp_avg_sq_.data_ptr<float>() + s.offset, s.grad,
+                         s.copy, s.n});
     }
     if (!tensors.empty()) cuda::multi_tensor_adam(h, tensors, segments[0].grad_type, segments[0].copy_type, nullptr);
 #else
-    (void)h, (void)params, (void)segments;
+    (void)h, (void)segments;
     throw Error(fmt::format("{}: this build of zeal has no CUDA kernels", name()));
 #endif
   }

@@ -82,8 +82,9 @@ class SgdImpl final : public Optimizer {
     params.add_(g, -h.lr);
   }
 
-  void allocate_state(const at::Tensor& params) override {
-    if (hyper_.momentum != 0) buf_ = at::zeros_like(params);
+  using Optimizer::allocate_state;
+  void allocate_state(int64_t n, const at::TensorOptions& o) override {
+    if (hyper_.momentum != 0) buf_ = at::zeros({n}, o.dtype(at::kFloat));
   }
 
   std::map<std::string, at::Tensor> state() const override {
@@ -99,7 +100,21 @@ class SgdImpl final : public Optimizer {
 
 }  // namespace
 
-void Optimizer::fused_step(const at::Tensor&, const std::vector<FusedSegment>&, double) {
+void Optimizer::allocate_state(const at::Tensor& params) { allocate_state(params.numel(), params.options()); }
+
+void Optimizer::fused_step(const at::Tensor& params, std::vector<FusedSegment> segments, double grad_scale) {
+  if (!fused()) throw Error(fmt::format("{} has no fused step", name()));
+  if (params.scalar_type() != at::kFloat || !params.is_contiguous() || !(params.is_cpu() || params.is_cuda())) {
+    throw Error(fmt::format("{}: needs contiguous float32 parameters on the CPU or a CUDA device", name()));
+  }
+  for (FusedSegment& s : segments) {
+    ZEAL_CHECK(s.offset >= 0 && s.offset + s.n <= params.numel()) << "segment outside the partition";
+    if (!s.master) s.master = params.data_ptr<float>() + s.offset;
+  }
+  fused_update(params.numel(), params.device(), segments, grad_scale);
+}
+
+void Optimizer::fused_update(int64_t, at::Device, const std::vector<FusedSegment>&, double) {
   throw Error(fmt::format("{} has no fused step", name()));
 }
 

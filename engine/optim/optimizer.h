@@ -11,6 +11,9 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/Device.h>
+#include <c10/core/TensorOptions.h>
+
 #include "kernels/cpu/adam.h"
 
 namespace at {
@@ -32,12 +35,14 @@ struct Hyper {
   bool bias_correction = true;  // Adam: divide the moments by 1 − βᵗ
 };
 
-// A piece of a partition for the fused path: `n` elements of the master weights and state from
-// `offset`, their gradient in its own precision (read once and multiplied by the step's
-// grad_scale), and where the updated weights go in compute precision (written in the same pass;
-// null for none). Raw CPU memory.
+// A piece of a partition for the fused path: `n` elements of the optimizer state from `offset`,
+// their master weights (`master`; null: the partition tensor's elements from `offset`), their
+// gradient in its own precision (read once and multiplied by the step's grad_scale), and where the
+// updated weights go in compute precision (written in the same pass; null for none). Raw memory
+// on the partition's device.
 struct FusedSegment {
   int64_t offset = 0, n = 0;
+  float* master = nullptr;
   const void* grad = nullptr;
   cpu::DType grad_type = cpu::DType::kFp32;
   void* copy = nullptr;
@@ -53,9 +58,10 @@ class Optimizer {
   // One step over `params` (fp32, contiguous, 1-D) with `grads` (same size; fp32). State is
   // created at the first step. Throws zeal::Error on a size change or wrong dtype.
   virtual void step(const at::Tensor& params, const at::Tensor& grads) = 0;
-  // Creates the state for `params` now instead of at the first step (so memory is held, and
-  // reported, from the start).
-  virtual void allocate_state(const at::Tensor& params) = 0;
+  // Creates the state for a partition of `n` elements (fp32, on `o`'s device) now instead of at
+  // the first step (so memory is held, and reported, from the start).
+  virtual void allocate_state(int64_t n, const at::TensorOptions& o) = 0;
+  void allocate_state(const at::Tensor& params);
   // The state tensors by name ("exp_avg", "exp_avg_sq", "momentum_buffer"), for checkpoints.
   virtual std::map<std::string, at::Tensor> state() const = 0;
   // Bytes of optimizer state held (0 before the first step).
@@ -66,8 +72,14 @@ class Optimizer {
   // Whether fused_step is available: an update from gradients in any precision that writes the
   // compute copy in the same pass (the fused kernels).
   virtual bool fused() const { return false; }
-  // One step over all segments of `params`; every gradient is multiplied by grad_scale first.
-  virtual void fused_step(const at::Tensor& params, const std::vector<FusedSegment>& segments, double grad_scale);
+  // One step over all segments of `params` (fp32, contiguous); every gradient is multiplied by
+  // grad_scale first.
+  void fused_step(const at::Tensor& params, std::vector<FusedSegment> segments, double grad_scale);
+  // The same over a partition of `n` elements on `device` whose master weights lie wherever each
+  // segment's `master` points (every one set): the compute-precision parameters themselves when
+  // they are fp32, so no separate master copy is kept.
+  virtual void fused_update(int64_t n, at::Device device, const std::vector<FusedSegment>& segments,
+                            double grad_scale);
 
   double lr() const { return hyper_.lr; }
   void set_lr(double lr) { hyper_.lr = lr; }

@@ -80,12 +80,16 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
     buckets_.push_back(std::move(b));
   }
 
-  // Every rank starts from rank 0's values, in fp32; the master is taken before the cast.
+  // Every rank starts from rank 0's values, in fp32; the master is taken before the cast. fp32
+  // parameters are their own master weights (no copy) when the optimizer is fused.
   at::Tensor init = initial_flat_values(params_, flat_offset_, padded_, comm_, /*same_everywhere=*/false);
-  at::Tensor master = at::empty({owned_total_}, init.options());
-  optimizer->allocate_state(master);
-  for (int b = 0; b < num_buckets(); ++b) {
-    master.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(init, b));
+  at::Tensor master;
+  optimizer->allocate_state(owned_total_, init.options());
+  if (!ShardStep::can_alias(*optimizer, opts_.compute_dtype, init.device())) {
+    master = at::empty({owned_total_}, init.options());
+    for (int b = 0; b < num_buckets(); ++b) {
+      master.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(init, b));
+    }
   }
   param_flat_ = opts_.compute_dtype == at::kFloat ? init : init.to(opts_.compute_dtype);
   init = at::Tensor();
@@ -379,7 +383,7 @@ GroupBytes FlatGroup::bytes() const {
   GroupBytes out;
   out.params = param_flat_.nbytes();
   out.grads = grad_flat_.defined() ? grad_flat_.nbytes() : grad_part_.nbytes();
-  out.master = step_.master().nbytes();
+  out.master = step_.master_bytes();
   out.optimizer = step_.optimizer().state_bytes();
   out.workspace = step_.workspace_bytes() + staging_peak_;
   return out;

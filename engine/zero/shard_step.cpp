@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "engine/error.h"
 
 namespace zeal::zero {
@@ -33,11 +35,27 @@ ShardStep::ShardStep(at::Tensor master, std::unique_ptr<optim::Optimizer> optimi
                      at::Tensor grad32_alias)
     : master_(std::move(master)), optimizer_(std::move(optimizer)), pieces_(std::move(pieces)),
       grad32_(grad32_alias), alias_(std::move(grad32_alias)) {
+  if (master_.defined()) {
+    total_ = master_.numel();
+    state_options_ = master_.options();
+  } else {
+    for (const Piece& p : pieces_) {
+      ZEAL_CHECK(can_alias(*optimizer_, p.out.scalar_type(), p.out.device()) && p.out.is_contiguous())
+          << "parameters that are their own master weights must be contiguous fp32 with a fused optimizer";
+      total_ = std::max(total_, p.offset + p.out.numel());
+    }
+    state_options_ = at::TensorOptions().dtype(at::kFloat).device(pieces_.empty() ? at::Device(at::kCPU)
+                                                                                   : pieces_[0].out.device());
+  }
   for (const Piece& p : pieces_) {
-    ZEAL_CHECK(p.offset >= 0 && p.offset + p.grad.numel() <= master_.numel() && p.out.numel() == p.grad.numel())
+    ZEAL_CHECK(p.offset >= 0 && p.offset + p.grad.numel() <= total_ && p.out.numel() == p.grad.numel())
         << "a piece outside the master partition";
   }
-  fused_ = optimizer_->fused() && (master_.is_cpu() || master_.is_cuda());
+  fused_ = optimizer_->fused() && (state_options_.device().is_cpu() || state_options_.device().is_cuda());
+}
+
+bool ShardStep::can_alias(const optim::Optimizer& optimizer, at::ScalarType compute, at::Device device) {
+  return optimizer.fused() && compute == at::kFloat && (device.is_cpu() || device.is_cuda());
 }
 
 cpu::GradStats ShardStep::stats(double inv_scale) {
@@ -64,7 +82,7 @@ void ShardStep::scale(double c) {
 const at::Tensor& ShardStep::fp32_grads(double inv_scale) {
   if (grad32_ready_) return grad32_;
   c10::NoGradGuard no_grad;
-  if (!grad32_.defined()) grad32_ = at::empty_like(master_);
+  if (!grad32_.defined()) grad32_ = at::empty({total_}, state_options_);
   if (!grad32_.is_same(alias_)) {
     for (const Piece& p : pieces_) grad32_.narrow(0, p.offset, p.grad.numel()).copy_(p.grad);
   }
@@ -78,7 +96,7 @@ const at::Tensor& ShardStep::fp32_grads(double inv_scale) {
 void ShardStep::apply(double lr, double inv_scale) {
   c10::NoGradGuard no_grad;
   optimizer_->set_lr(lr);
-  if (master_.numel() == 0) return;
+  if (total_ == 0) return;
   if (!fused_) {
     optimizer_->step(master_, fp32_grads(inv_scale));
     for (const Piece& p : pieces_) p.out.copy_(master_.narrow(0, p.offset, p.out.numel()));
@@ -98,11 +116,16 @@ void ShardStep::apply(double lr, double inv_scale) {
     seg.n = p.grad.numel();
     seg.grad = g.data_ptr();
     seg.grad_type = kernel_dtype(g.scalar_type());
-    seg.copy = p.out.data_ptr();
-    seg.copy_type = kernel_dtype(p.out.scalar_type());
+    if (aliased()) {
+      seg.master = p.out.data_ptr<float>();  // the parameters are the master: updated in place
+    } else {
+      seg.master = master_.data_ptr<float>() + p.offset;
+      seg.copy = p.out.data_ptr();
+      seg.copy_type = kernel_dtype(p.out.scalar_type());
+    }
     segments.push_back(seg);
   }
-  optimizer_->fused_step(master_, segments, scale);
+  optimizer_->fused_update(total_, state_options_.device(), segments, scale);
 }
 
 void ShardStep::reset() {
@@ -113,6 +136,7 @@ void ShardStep::reset() {
 void ShardStep::refresh_master(size_t k) {
   c10::NoGradGuard no_grad;
   const Piece& p = pieces_.at(k);
+  if (aliased()) return;  // the parameters are the master weights
   master_.narrow(0, p.offset, p.out.numel()).copy_(p.out);
 }
 

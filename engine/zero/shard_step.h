@@ -35,10 +35,15 @@ class ShardStep {
   };
 
   ShardStep() = default;
-  // `grad32_alias`: a tensor laid out like `master` that already holds the gradients in fp32 (so
-  // no copy is needed to make them fp32), or undefined.
+  // `master`: the fp32 master partition, or undefined when the pieces' `out` are fp32 and the
+  // optimizer is fused (can_alias): the parameters are then their own master weights, updated in
+  // place, and no copy is kept (4 bytes per owned element less). `grad32_alias`: a tensor laid out
+  // like the partition that already holds the gradients in fp32 (so no copy is needed to make them
+  // fp32), or undefined.
   ShardStep(at::Tensor master, std::unique_ptr<optim::Optimizer> optimizer, std::vector<Piece> pieces,
             at::Tensor grad32_alias = {});
+  // Whether parameters computing in `compute` on `device` can be their own master weights.
+  static bool can_alias(const optim::Optimizer& optimizer, at::ScalarType compute, at::Device device);
 
   // Statistics of the unscaled gradients (× inv_scale and any deferred clip factor).
   cpu::GradStats stats(double inv_scale);
@@ -56,7 +61,10 @@ class ShardStep {
   void refresh_master(size_t k);
   size_t num_pieces() const { return pieces_.size(); }
 
+  // The separate master partition (undefined when the parameters are their own master) and its bytes.
   const at::Tensor& master() const { return master_; }
+  int64_t master_bytes() const { return master_.defined() ? master_.nbytes() : 0; }
+  bool aliased() const { return !master_.defined(); }
   optim::Optimizer& optimizer() { return *optimizer_; }
   const optim::Optimizer& optimizer() const { return *optimizer_; }
   bool fused() const { return fused_; }
@@ -65,6 +73,8 @@ class ShardStep {
 
  private:
   at::Tensor master_;
+  int64_t total_ = 0;                // elements of the partition (the optimizer state's size)
+  at::TensorOptions state_options_;  // fp32 on the partition's device
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::vector<Piece> pieces_;
   at::Tensor grad32_, alias_;

@@ -139,6 +139,11 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
   std::vector<std::vector<at::Tensor>> masters(groups.size());
   std::vector<std::vector<ShardStep::Piece>> pieces(groups.size());
   std::vector<int64_t> master_size(groups.size(), 0);
+  // fp32 parameters are their own master weights (no copy) when the group's optimizer is fused.
+  std::vector<bool> alias_master(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    alias_master[g] = ShardStep::can_alias(*groups[g].optimizer, opts_.compute_dtype, opts_.device);
+  }
   int64_t persistent_bytes = 0;
   for (auto& u : units_) {
     bool from_init[2] = {false, false};  // a part gathered from init slices needs no broadcast
@@ -163,7 +168,7 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
         const int64_t end = l.offset(static_cast<int>(j - 1)) + l.numel(static_cast<int>(j - 1));
         const int64_t a = std::max(begin, shard_begin), b = std::min(end, shard_end);
         if (a < b) {
-          masters[g].push_back(values.narrow(0, a, b - a).clone());
+          if (!alias_master[g]) masters[g].push_back(values.narrow(0, a, b - a).clone());
           u->master_pieces_.push_back({g, pieces[g].size()});
           pieces[g].push_back({master_size[g], u->grad_shard_.narrow(0, a - shard_begin, b - a),
                                u->train_.shard.narrow(0, a - shard_begin, b - a)});
@@ -182,9 +187,11 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
   fetch_->set_persistent_bytes(persistent_bytes);
   fetch_->reset_peak();
   for (size_t g = 0; g < groups.size(); ++g) {
-    at::Tensor master = masters[g].empty() ? at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(opts_.device))
-                                           : at::cat(masters[g]);
-    groups[g].optimizer->allocate_state(master);
+    const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(opts_.device);
+    at::Tensor master;
+    if (!alias_master[g]) master = masters[g].empty() ? at::empty({0}, fp32) : at::cat(masters[g]);
+    masters[g].clear();
+    groups[g].optimizer->allocate_state(master_size[g], fp32);
     steps_.emplace_back(std::move(master), std::move(groups[g].optimizer), std::move(pieces[g]));
   }
   for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i)
@@ -413,7 +420,7 @@ GroupBytes Stage3::bytes() const {
     if (u->grad_staging_.defined()) out.workspace += u->grad_staging_.nbytes();
   }
   for (auto& s : steps_) {
-    out.master += s.master().nbytes();
+    out.master += s.master_bytes();
     out.optimizer += s.optimizer().state_bytes();
     out.workspace += s.workspace_bytes();
   }

@@ -170,15 +170,18 @@ TEST(Accounting, ModelStatesMatchTheStageTable) {
           model.psi = static_cast<int64_t>(m[5].item<double>());
           model.world = world;
           // Parameters in the compute dtype; gradients summed in fp32 (the default accumulation dtype).
+          // fp32 parameters are their own master weights (fused AdamW): no separate copy.
           model.param_bytes = std::string(precision) == "bf16" ? 2 : 4;
           model.grad_bytes = 4;
+          model.master_bytes = std::string(precision) == "bf16" ? 4 : 0;
           const double expected = zeal::expected_model_state_bytes(model);
           std::printf("[ metric ] %s world %d stage %d rank %d: %.0f bytes held, table says %.0f (%+.2f %%)\n",
                       precision, world, stage, rank, held, expected, 100.0 * (held - expected) / expected);
           // The table counts Ψ elements; the flat buffer (one bucket here) is padded to a multiple of
           // world × 16 elements (FlatLayout's alignment), so what a rank holds exceeds the table by
           // less than world·16 elements of every kind it keeps, and never falls short.
-          const double padding = world * 16.0 * (model.param_bytes + model.grad_bytes + 12);
+          const double padding =
+              world * 16.0 * (model.param_bytes + model.grad_bytes + model.master_bytes + model.optimizer_bytes);
           EXPECT_GE(held, expected) << precision << " world " << world << " stage " << stage;
           EXPECT_LT(held - expected, padding) << precision << " world " << world << " stage " << stage;
         }

@@ -102,8 +102,9 @@ std::vector<std::pair<double, double>> measure(int stage, int world, int64_t per
 }  // namespace
 
 // Between steps each rank holds, beyond what every stage holds alike, the stage table's model states
-// (P = G = 4 bytes in fp32, K = 12: master and Adam's m, v): stage 0 (P+G+K)Ψ, stage 1 (P+G)Ψ + KΨ/N,
-// stage 2 PΨ + (G+K)Ψ/N, stage 3 (P+G+K)Ψ/N plus the root unit gathered (PΨ_root); and stages 1-3
+// (P = G = 4 bytes in fp32, K = 8: Adam's m, v; fp32 parameters are their own master weights):
+// stage 0 (P+G+K)Ψ, stage 1 (P+G)Ψ + KΨ/N, stage 2 PΨ + (G+K)Ψ/N, stage 3 (P+G+K)Ψ/N plus the root
+// unit gathered (PΨ_root); and stages 1-3
 // the Gloo reduce-scatter's scratch, three windows of min(2 segments of 4 MiB, the largest shard
 // reduced). Measured as the difference from stage 0, which cancels what is common; the flat
 // buffers' padding (under world × 16 elements of each kind per buffer) is the only other difference.
@@ -115,13 +116,13 @@ TEST(Memory, EveryStageHoldsWhatTheTableSays) {
   auto shard = [&](double elems) { return std::ceil(elems / n / 16) * 16; };
   auto scratch = [&](double largest) { return 3 * 4 * std::min(2.0 * (1 << 20), shard(largest)); };
   const double block = (z.psi - z.root) / (z.units - 1);
-  const double table[4] = {20 * z.psi, 8 * z.psi + 12 * z.psi / n + scratch(z.psi),
-                           4 * z.psi + 16 * z.psi / n + scratch(z.psi), 20 * z.psi / n + 4 * z.root + scratch(block)};
+  const double table[4] = {16 * z.psi, 8 * z.psi + 8 * z.psi / n + scratch(z.psi),
+                           4 * z.psi + 12 * z.psi / n + scratch(z.psi), 16 * z.psi / n + 4 * z.root + scratch(block)};
   std::vector<std::vector<std::pair<double, double>>> got;
   for (int stage = 0; stage < 4; ++stage) got.push_back(measure(stage, world, 0, false));
   for (int stage = 1; stage < 4; ++stage) {
     const double buffers = stage == 3 ? z.units + 1 : 2;  // its buffers and stage 0's one
-    const double padding = buffers * world * 16 * 20;
+    const double padding = buffers * world * 16 * 16;
     for (int r = 0; r < world; ++r) {
       const double measured = got[stage][r].first - got[0][r].first;
       const double expected = table[stage] - table[0];
