@@ -355,7 +355,7 @@ int main(int argc, char** argv) {
   }
 
   // Each zeal row's peak against its floor: the stage table's model states per rank (fp32: P = G = 4
-  // bytes, K = 12 for the master and Adam's m, v), plus the unit parameters the stage-3 settings let
+  // bytes, K = 8 for Adam's m, v; fp32 parameters are their own master), plus the unit parameters the stage-3 settings let
   // be gathered at once (the root, used at both ends of the pass, + the unit being used +
   // stage3_max_live_parameters; everything with the defaults), plus the activations: stage 0's
   // peak minus its model states (its peak is already above the process's baseline). All from the
@@ -366,10 +366,10 @@ int main(int argc, char** argv) {
     const double block = static_cast<double>(12 * cfg.dim * cfg.dim + 13 * cfg.dim);
     auto states = [&](int stage) {
       switch (stage) {
-        case 0: return 20 * psi;
-        case 1: return 8 * psi + 12 * psi / n;
-        case 2: return 4 * psi + 16 * psi / n;
-        default: return 20 * psi / n;
+        case 0: return 16 * psi;
+        case 1: return 8 * psi + 8 * psi / n;
+        case 2: return 4 * psi + 12 * psi / n;
+        default: return 16 * psi / n;
       }
     };
     auto live = [&](const Row& r) {
