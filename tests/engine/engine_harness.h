@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -93,6 +94,26 @@ inline std::string temp_dir(const std::string& name) {
   auto dir = std::filesystem::temp_directory_path() / ("zeal_test_" + name + "_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   return dir.string();
+}
+
+// What `body` throws as zeal::Error on one spawned rank: its message, or "accepted" when it throws
+// none. Any other failure of the rank fails the calling test.
+inline std::string error_on_one_rank(const std::string& name, const std::function<void(zeal::Runtime&)>& body) {
+  const std::string file = temp_dir(name) + "/message";
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        std::string msg = "accepted";
+        try {
+          body(rt);
+        } catch (const zeal::Error& e) {
+          msg = e.what();
+        }
+        std::ofstream(file) << msg;
+      },
+      1);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+  std::ifstream f(file);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
 inline zeal::Config make_config(const RunSpec& s) {
