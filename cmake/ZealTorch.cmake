@@ -47,12 +47,17 @@ target_link_libraries(zeal_torch INTERFACE "${ZEAL_TORCH_CPU_LIBRARY}" "${ZEAL_C
 # The PyPI wheels are built with the C++11 ABI.
 target_compile_definitions(zeal_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=1)
 
+option(ZEAL_TORCH_CUDA "Link LibTorch's CUDA half when it sits beside the CPU half" ON)
 set(ZEAL_TORCH_HAS_CUDA OFF)
-if(EXISTS "${ZEAL_TORCH_DIR}/lib/libtorch_cuda.so" AND EXISTS "${ZEAL_TORCH_DIR}/lib/libc10_cuda.so")
+if(ZEAL_TORCH_CUDA AND EXISTS "${ZEAL_TORCH_DIR}/lib/libtorch_cuda.so" AND EXISTS "${ZEAL_TORCH_DIR}/lib/libc10_cuda.so")
   set(ZEAL_TORCH_HAS_CUDA ON)
-  # Linked without --as-needed so that the CUDA backend registers itself at load time.
+  # Linked without --as-needed so that the CUDA backend registers itself at load time. The run path
+  # is written as DT_RPATH (not RUNPATH) so that it also serves libtorch_cuda's own dependencies
+  # (cuSPARSELt, NVSHMEM, cuFile, ...) that scripts/setup put beside it: libtorch_cuda has no run
+  # path of its own (Python's torch preloads them).
   target_link_libraries(zeal_torch INTERFACE
-    "-Wl,--no-as-needed,${ZEAL_TORCH_DIR}/lib/libtorch_cuda.so,${ZEAL_TORCH_DIR}/lib/libc10_cuda.so,--as-needed")
+    "-Wl,--no-as-needed,${ZEAL_TORCH_DIR}/lib/libtorch_cuda.so,${ZEAL_TORCH_DIR}/lib/libc10_cuda.so,--as-needed"
+    "-Wl,--disable-new-dtags" "-Wl,-rpath-link,${ZEAL_TORCH_DIR}/lib")
 endif()
 message(STATUS "LibTorch ${ZEAL_TORCH_VERSION} at ${ZEAL_TORCH_DIR} (CUDA half: ${ZEAL_TORCH_HAS_CUDA})")
 if(NOT ZEAL_TORCH_VERSION VERSION_EQUAL ZEAL_TORCH_VERSION_WANTED)

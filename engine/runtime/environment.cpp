@@ -145,8 +145,10 @@ std::vector<EnvironmentItem> describe_environment() {
   const Topology topo = hwloc_topology();
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
   items.push_back({"zeal", fmt::format("{} ({} build)", ZEAL_VERSION, ZEAL_BUILD_TYPE)});
-  items.push_back({"LibTorch", fmt::format("{} (CUDA backend: {}; {})", libtorch_version(),
-                                           libtorch_has_cuda() ? "yes" : "no", libtorch_parallel_info())});
+  const char* cuda = !libtorch_cuda_linked() ? "CPU half only (scripts/setup --cuda adds the CUDA half)"
+                     : libtorch_has_cuda()    ? "CUDA half linked, GPUs usable"
+                                              : "CUDA half linked, no GPU usable";
+  items.push_back({"LibTorch", fmt::format("{} ({}; {})", libtorch_version(), cuda, libtorch_parallel_info())});
   items.push_back({"CUDA toolkit (build)", ZEAL_CUDA_VERSION});
   for (auto& g : gpu_items()) items.push_back(std::move(g));
   items.push_back({"NCCL", nccl_version()});

@@ -20,7 +20,8 @@ std::vector<EnvironmentItem> describe_environment();
 // LibTorch's version and its intra-op thread setup (kept in its own translation unit).
 std::string libtorch_version();
 std::string libtorch_parallel_info();
-bool libtorch_has_cuda();
+bool libtorch_has_cuda();     // the CUDA half is linked and a GPU is usable
+bool libtorch_cuda_linked();  // LibTorch's CUDA half is linked (GPU or not)
 // The vector path LibTorch's own CPU kernels take ("AVX512", "AVX2", "DEFAULT"; ATEN_CPU_CAPABILITY
 // chooses another).
 std::string libtorch_cpu_capability();

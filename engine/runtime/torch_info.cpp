@@ -1,6 +1,7 @@
 // The only translation unit of the runtime that includes LibTorch headers.
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 
@@ -16,6 +17,8 @@ std::string libtorch_parallel_info() {
 }
 
 bool libtorch_has_cuda() { return torch::cuda::is_available(); }
+
+bool libtorch_cuda_linked() { return at::detail::getCUDAHooks().hasCUDART(); }
 
 std::string libtorch_cpu_capability() { return at::get_cpu_capability(); }
 
