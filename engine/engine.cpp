@@ -4,6 +4,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -19,6 +20,7 @@
 #include "engine/error.h"
 #include "engine/optim/loss_scale.h"
 #include "engine/optim/optimizer.h"
+#include "engine/runtime/device_choice.h"
 #include "engine/runtime/runtime.h"
 #include "engine/zero/host_memory.h"
 #include "engine/zero/init.h"
@@ -52,6 +54,7 @@ struct Engine::State {
   std::shared_ptr<zero::InitShards> init_shards;
   zero::InitReport init_report;
   bool init_done = false;
+  CudaBackend cuda_backend = CudaBackend::kNccl;  // which communicator carries CUDA tensors
 };
 
 namespace {
@@ -164,23 +167,38 @@ void Engine::init() {
   const bool use_cuda = !config_.launch.use_cpu && at::detail::getCUDAHooks().hasCUDA() &&
                         at::detail::getCUDAHooks().deviceCount() > 0;
   if (use_cuda) {
-    device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(runtime_->local_rank() %
-                                                                   at::detail::getCUDAHooks().deviceCount()));
+    // The same choice Runtime::cuda_comm() makes, so the engine's tensors and NCCL share the GPU.
+#ifdef ZEAL_HAVE_NCCL
+    constexpr bool have_nccl = true;
+#else
+    constexpr bool have_nccl = false;
+#endif
+    const DeviceChoice choice = choose_cuda_device(runtime_->local_rank(), runtime_->local_world_size(),
+                                                   at::detail::getCUDAHooks().deviceCount(), have_nccl);
+    device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(choice.device));
+    state_->cuda_backend = choice.backend;
+    // The current device of this thread: LibTorch's allocations without a device and zeal's kernel
+    // launches go to this rank's GPU, not GPU 0.
+    c10::impl::VirtualGuardImpl(at::kCUDA).setDevice(device_);
   }
   if (config_.precision() == Precision::kFp16) state_->scaler = std::make_unique<LossScaler>(config_.fp16);
   // A comm_timeout the config sets explicitly applies to a runtime made elsewhere (zeal::spawn) too.
   auto origin = config_.origins.find("comm_timeout");
   if (origin != config_.origins.end() && origin->second.kind != Origin::Kind::kDefault) {
     runtime_->comm().set_timeout(config_.launch.comm_timeout);
+    if (device_.is_cuda()) comm().set_timeout(config_.launch.comm_timeout);  // NCCL's too
   }
 }
 
-Communicator& Engine::comm() { return device_.is_cuda() ? runtime_->cuda_comm() : runtime_->comm(); }
+Communicator& Engine::comm() {
+  // Gloo takes CUDA tensors too (staged through pinned host memory), for ranks that share a GPU.
+  return device_.is_cuda() && state_->cuda_backend == CudaBackend::kNccl ? runtime_->cuda_comm() : runtime_->comm();
+}
 
 Engine::InitScope::InitScope(Engine* e) : e_(e) {
   const auto& z = e->config_.zero;
   e->state_->init_done = false;
-  ctx_ = std::make_unique<zero::InitContext>(e->comm(), z.stage == 3 && z.zero3_init_flag);
+  ctx_ = std::make_unique<zero::InitContext>(e->comm(), z.stage == 3 && z.zero3_init_flag, e->device_);
 }
 
 Engine::InitScope::~InitScope() = default;
@@ -207,6 +225,11 @@ void Engine::prepare_module(std::shared_ptr<torch::nn::Module> module) {
     c10::NoGradGuard no_grad;
     for (auto& p : module->parameters(true))
       if (!shards->contains(p)) p.set_data(p.to(device_));
+    for (auto& b : module->buffers(true)) b.set_data(b.to(device_));
+  } else if (config_.zero.stage == 3 && !device_.is_cpu()) {
+    // Stage 3 moves the parameters unit by unit as it partitions them (Unit::build): the whole
+    // model never sits on one GPU. Buffers are not partitioned; they go now.
+    c10::NoGradGuard no_grad;
     for (auto& b : module->buffers(true)) b.set_data(b.to(device_));
   } else {
     module->to(device_);

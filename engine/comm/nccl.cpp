@@ -1,13 +1,23 @@
-// The NCCL backend: NCCL's C API on a stream of its own. Each collective waits (on the GPU) for
-// the work already queued on the compute stream, and Work::wait() polls its completion event
-// against the deadline, so a hang becomes a CommError (after ncclCommAbort) instead of a stall.
+// The NCCL backend: NCCL's C API on a stream of its own. Each collective is ordered after the work
+// queued on the device's *current* stream when it is issued; Work::wait() makes the then-current
+// stream wait for it through an event, without blocking the host. A watchdog thread keeps the
+// deadline: a collective still running when comm_timeout passes, or an asynchronous NCCL error,
+// aborts the communicator (ncclCommAbort; never ncclCommDestroy after it), and every later call
+// on it throws the CommError that names the collective and the ranks that had not reached it.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <string_view>
 #include <thread>
 
 #include <fmt/format.h>
@@ -36,6 +46,7 @@ ncclDataType_t nccl_type(const at::Tensor& t) {
     case at::kDouble: return ncclFloat64;
     case at::kByte: return ncclUint8;
     case at::kChar: return ncclInt8;
+    case at::kBool: return ncclUint8;  // moved, never reduced (checked before)
     default: throw Error(fmt::format("NCCL does not reduce {}", c10::toString(t.scalar_type())));
   }
 }
@@ -49,49 +60,32 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
+// A collective in flight. Its event completes when the collective has; until then `keep` holds
+// the temporaries it reads or writes.
+struct NcclOp {
+  OpInfo info;
+  cudaEvent_t done = nullptr;  // destroyed with the last owner (the watchdog or a Work)
+  std::chrono::steady_clock::time_point deadline;
+  std::vector<at::Tensor> keep;
+  std::atomic<bool> retired{false};  // the watchdog saw it complete
+  bool blocking = false;             // wait() holds the host (barrier)
+  ~NcclOp() {
+    if (done) cudaEventDestroy(done);
+  }
+};
+
+class NcclCommunicator;
+
 class NcclWork final : public Work::Impl {
  public:
-  NcclWork(Monitor* monitor, OpInfo info, ncclComm_t comm, cudaEvent_t done, cudaStream_t compute)
-      : monitor_(monitor), info_(std::move(info)), comm_(comm), done_event_(done), compute_(compute) {}
-  ~NcclWork() override { cudaEventDestroy(done_event_); }
-
-  std::vector<at::Tensor> keep;  // temporaries the collective reads or writes
-
-  void wait() override {
-    if (finished_) return;
-    const auto deadline = std::chrono::steady_clock::now() + monitor_->timeout();
-    for (;;) {
-      const cudaError_t q = cudaEventQuery(done_event_);
-      if (q == cudaSuccess) break;
-      if (q != cudaErrorNotReady) monitor_->fail(info_, fmt::format("CUDA error: {}", cudaGetErrorString(q)));
-      ncclResult_t async_error = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &async_error);
-      if (async_error != ncclSuccess && async_error != ncclInProgress) {
-        ncclCommAbort(comm_);
-        monitor_->fail(info_, fmt::format("NCCL error: {}", ncclGetErrorString(async_error)));
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        ncclCommAbort(comm_);
-        monitor_->fail(info_, fmt::format("timed out after {:g} s (comm_timeout)", monitor_->timeout().count() / 1000.0));
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-    // Later work on the compute stream sees the result.
-    cudaStreamWaitEvent(compute_, done_event_, 0);
-    keep.clear();
-    finished_ = true;
-  }
-
-  bool done() override { return finished_ || cudaEventQuery(done_event_) == cudaSuccess; }
-  cudaEvent_t event() const { return done_event_; }
+  NcclWork(NcclCommunicator* comm, std::shared_ptr<NcclOp> op) : comm_(comm), op_(std::move(op)) {}
+  void wait() override;
+  bool done() override;
 
  private:
-  Monitor* monitor_;
-  OpInfo info_;
-  ncclComm_t comm_;
-  cudaEvent_t done_event_;
-  cudaStream_t compute_;
-  bool finished_ = false;
+  NcclCommunicator* comm_;
+  std::shared_ptr<NcclOp> op_;
+  bool waited_ = false;
 };
 
 class NcclCommunicator final : public Communicator {
@@ -112,15 +106,30 @@ class NcclCommunicator final : public Communicator {
       std::memcpy(&id, bytes.data(), sizeof id);
     }
     nccl_check(ncclCommInitRank(&comm_, world, id, rank), "ncclCommInitRank");
-    cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    {  // a stream of LibTorch's pool, so its caching allocator can record memory on it
+      c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+      side_ = impl.getStreamFromGlobalPool(c10::Device(c10::DeviceType::CUDA, device), /*isHighPriority=*/true);
+      stream_ = static_cast<cudaStream_t>(side_.native_handle());
+    }
     cuda_check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate");
+    watchdog_ = std::thread([this] { watch(); });
   }
 
   ~NcclCommunicator() override {
-    cudaStreamSynchronize(stream_);
-    ncclCommDestroy(comm_);
+    {
+      // Let the watchdog retire what is in flight, or abort it at its deadline: never a wait
+      // without one.
+      std::unique_lock<std::mutex> lock(mu_);
+      drained_.wait(lock, [this] { return in_flight_.empty() || failure_ || aborted_.load(); });
+      stop_ = true;
+    }
+    cv_.notify_all();
+    watchdog_.join();
+    cudaSetDevice(device_);
+    // ncclCommAbort freed the communicator; destroying it again is undefined.
+    if (!aborted_.load()) ncclCommDestroy(comm_);
+    in_flight_.clear();
     cudaEventDestroy(ready_);
-    cudaStreamDestroy(stream_);
   }
 
   int rank() const override { return rank_; }
@@ -128,104 +137,231 @@ class NcclCommunicator final : public Communicator {
   std::string backend() const override { return "nccl"; }
   uint64_t sequence() const override { return monitor_.sequence(); }
   void set_progress(int64_t step, int64_t micro_step) override { monitor_.set_progress(step, micro_step); }
-  void check_agreement(const std::string& where) override { monitor_.check_agreement(where); }
+  void check_agreement(const std::string& where) override {
+    rethrow_failure();
+    monitor_.check_agreement(where);
+  }
   void set_timeout(double seconds) override {
     monitor_.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)));
   }
 
   Work all_gather(const at::Tensor& shard, const at::Tensor& output) override {
-    check(shard, "all_gather");
-    check(output, "all_gather");
+    check(shard, "all_gather", "shard");
+    check(output, "all_gather", "output");
     const int64_t s = shard_size(output.numel());
     if (shard.numel() != s) throw Error(fmt::format("all_gather: the shard needs {} elements, has {}", s, shard.numel()));
-    auto work = start("all_gather", output);
+    auto op = start("all_gather", output);
     at::Tensor target = s * world_ == output.numel() ? output : at::empty({s * world_}, output.options());
+    uses(*op, shard);
+    uses(*op, target);
     nccl_check(ncclAllGather(shard.data_ptr(), target.data_ptr(), s, nccl_type(output), comm_, stream_), "ncclAllGather");
     if (!target.is_same(output)) {
+      uses(*op, output);
       cuda_check(cudaMemcpyAsync(output.data_ptr(), target.data_ptr(), output.nbytes(), cudaMemcpyDeviceToDevice, stream_),
                  "cudaMemcpyAsync");
-      work->keep.push_back(target);
     }
-    return finish(work);
+    return finish(op);
   }
 
-  Work reduce_scatter(const at::Tensor& input, const at::Tensor& shard, ReduceOp op) override {
-    check(input, "reduce_scatter");
-    check(shard, "reduce_scatter");
+  Work reduce_scatter(const at::Tensor& input, const at::Tensor& shard, ReduceOp op_kind) override {
+    check(input, "reduce_scatter", "input");
+    check(shard, "reduce_scatter", "shard");
     const int64_t s = shard_size(input.numel());
     if (shard.numel() != s) throw Error(fmt::format("reduce_scatter: the shard needs {} elements, has {}", s, shard.numel()));
-    auto work = start(fmt::format("reduce_scatter({})", to_string(op)), input);
+    auto op = start(fmt::format("reduce_scatter({})", to_string(op_kind)), input);
     at::Tensor source = input;
+    uses(*op, input);
+    uses(*op, shard);
     if (s * world_ != input.numel()) {
       source = at::empty({s * world_}, input.options());
+      uses(*op, source);
       cuda_check(cudaMemsetAsync(source.data_ptr(), 0, source.nbytes(), stream_), "cudaMemsetAsync");
       cuda_check(cudaMemcpyAsync(source.data_ptr(), input.data_ptr(), input.nbytes(), cudaMemcpyDeviceToDevice, stream_),
                  "cudaMemcpyAsync");
-      work->keep.push_back(source);
     }
-    nccl_check(ncclReduceScatter(source.data_ptr(), shard.data_ptr(), s, nccl_type(input), nccl_op(op), comm_, stream_),
+    nccl_check(ncclReduceScatter(source.data_ptr(), shard.data_ptr(), s, nccl_type(input), nccl_op(op_kind), comm_,
+                                 stream_),
                "ncclReduceScatter");
-    return finish(work);
+    return finish(op);
   }
 
-  Work all_reduce(const at::Tensor& tensor, ReduceOp op) override {
-    check(tensor, "all_reduce");
-    auto work = start(fmt::format("all_reduce({})", to_string(op)), tensor);
-    nccl_check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), nccl_op(op), comm_,
-                             stream_),
+  Work all_reduce(const at::Tensor& tensor, ReduceOp op_kind) override {
+    check(tensor, "all_reduce", "tensor");
+    auto op = start(fmt::format("all_reduce({})", to_string(op_kind)), tensor);
+    uses(*op, tensor);
+    nccl_check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), nccl_op(op_kind),
+                             comm_, stream_),
                "ncclAllReduce");
-    return finish(work);
+    return finish(op);
   }
 
   Work broadcast(const at::Tensor& tensor, int root) override {
-    check(tensor, "broadcast");
+    check(tensor, "broadcast", "tensor");
     if (root < 0 || root >= world_) throw Error(fmt::format("broadcast: root {} is not a rank of {}", root, world_));
-    auto work = start(fmt::format("broadcast(root {})", root), tensor);
-    nccl_check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), root, comm_, stream_),
+    auto op = start(fmt::format("broadcast(root {})", root), tensor);
+    uses(*op, tensor);
+    nccl_check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), root, comm_,
+                             stream_),
                "ncclBroadcast");
-    return finish(work);
+    return finish(op);
   }
 
+  // A barrier holds the host: its wait() returns once every rank has reached it (or throws).
   Work barrier() override {
     if (!barrier_buf_.defined()) {
       barrier_buf_ = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(at::Device(at::kCUDA, device_)));
     }
-    return all_reduce(barrier_buf_, ReduceOp::kSum);
+    check(barrier_buf_, "barrier", "flag");
+    auto op = start("barrier", barrier_buf_);
+    op->blocking = true;
+    uses(*op, barrier_buf_);
+    nccl_check(ncclAllReduce(barrier_buf_.data_ptr(), barrier_buf_.data_ptr(), 1, ncclFloat32, ncclSum, comm_, stream_),
+               "ncclAllReduce");
+    return finish(op);
   }
 
-  // The stream whose queued work collectives wait for; the legacy default stream unless set.
-  void set_compute_stream(cudaStream_t s) { compute_ = s; }
+  // NcclWork::wait: the current stream waits for the collective; the host does not (a barrier's
+  // host waits, the watchdog keeping the deadline).
+  void wait(NcclOp& op) {
+    rethrow_failure();
+    if (op.blocking) {
+      std::unique_lock<std::mutex> lock(mu_);
+      drained_.wait(lock, [&] { return op.retired.load() || failure_ != nullptr; });
+      if (failure_) std::rethrow_exception(failure_);
+      return;
+    }
+    if (op.retired.load()) return;  // complete: nothing to order after
+    cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    cuda_check(cudaStreamWaitEvent(current_stream(), op.done, 0), "cudaStreamWaitEvent");
+  }
+  bool completed(const NcclOp& op) {
+    rethrow_failure();
+    return op.retired.load() || cudaEventQuery(op.done) == cudaSuccess;
+  }
 
  private:
-  std::shared_ptr<NcclWork> start(std::string name, const at::Tensor& t) {
-    OpInfo info = monitor_.begin(std::move(name), label(), t.numel(), dtype_name(c10::toString(t.scalar_type())));
+  cudaStream_t current_stream() const {
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    return static_cast<cudaStream_t>(impl.getStream(c10::Device(c10::DeviceType::CUDA, device_)).native_handle());
+  }
+
+  std::shared_ptr<NcclOp> start(std::string name, const at::Tensor& t) {
+    rethrow_failure();
+    auto op = std::make_shared<NcclOp>();
+    op->info = monitor_.begin(std::move(name), label(), t.numel(), dtype_name(c10::toString(t.scalar_type())));
     cuda_check(cudaSetDevice(device_), "cudaSetDevice");
-    cuda_check(cudaEventRecord(ready_, compute_), "cudaEventRecord");
+    // After everything queued so far on the stream the program computes on now.
+    cuda_check(cudaEventRecord(ready_, current_stream()), "cudaEventRecord");
     cuda_check(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent");
-    cudaEvent_t done;
-    cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
-    return std::make_shared<NcclWork>(&monitor_, info, comm_, done, compute_);
+    cuda_check(cudaEventCreateWithFlags(&op->done, cudaEventDisableTiming), "cudaEventCreate");
+    return op;
   }
 
-  Work finish(const std::shared_ptr<NcclWork>& work) {
-    // The event was created in start(); record it after the collective.
-    cuda_check(cudaEventRecord(work->event(), stream_), "cudaEventRecord");
-    return Work(work);
+  // The caching allocator must not hand `t`'s memory to another tensor before this stream is done.
+  void uses(NcclOp& op, const at::Tensor& t) {
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    impl.recordDataPtrOnStream(t.storage().data_ptr(), side_);
+    op.keep.push_back(t);
   }
 
-  void check(const at::Tensor& t, const char* op) const {
-    if (!t.defined() || !t.is_cuda()) throw Error(fmt::format("{}: the NCCL communicator takes CUDA tensors", op));
-    if (!t.is_contiguous()) throw Error(fmt::format("{}: tensors must be contiguous", op));
+  Work finish(const std::shared_ptr<NcclOp>& op) {
+    cuda_check(cudaEventRecord(op->done, stream_), "cudaEventRecord");
+    op->deadline = std::chrono::steady_clock::now() + monitor_.timeout();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_.push_back(op);
+    }
+    cv_.notify_all();
+    return Work(std::make_shared<NcclWork>(this, op));
+  }
+
+  void rethrow_failure() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failure_) std::rethrow_exception(failure_);
+  }
+
+  // The watchdog: retires completed collectives in order; aborts the communicator on an
+  // asynchronous error or when the oldest one passes its deadline.
+  void watch() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      if (in_flight_.empty()) {
+        cv_.wait(lock, [this] { return stop_ || !in_flight_.empty(); });
+      } else {
+        cv_.wait_for(lock, std::chrono::microseconds(200));  // polling the oldest collective's event
+      }
+      if (stop_) return;
+      bool retired = false;
+      while (!in_flight_.empty() && cudaEventQuery(in_flight_.front()->done) == cudaSuccess) {
+        in_flight_.front()->keep.clear();
+        in_flight_.front()->retired.store(true);
+        in_flight_.pop_front();
+        retired = true;
+      }
+      if (retired) drained_.notify_all();
+      if (in_flight_.empty() || failure_) continue;
+      std::string cause;
+      ncclResult_t async_error = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &async_error);
+      if (async_error != ncclSuccess && async_error != ncclInProgress) {
+        cause = fmt::format("NCCL error: {}", ncclGetErrorString(async_error));
+      } else if (std::chrono::steady_clock::now() > in_flight_.front()->deadline) {
+        cause = fmt::format("timed out after {:g} s (comm_timeout)", monitor_.timeout().count() / 1000.0);
+      }
+      if (cause.empty()) continue;
+      const OpInfo info = in_flight_.front()->info;
+      aborted_.store(true);
+      ncclCommAbort(comm_);  // the stuck kernels return; the streams waiting on them move on
+      lock.unlock();
+      std::exception_ptr error;
+      try {
+        monitor_.fail(info, cause);  // asks the store which ranks had not reached it
+      } catch (...) {
+        error = std::current_exception();
+      }
+      lock.lock();
+      failure_ = error;
+      drained_.notify_all();
+    }
+  }
+
+  void check(const at::Tensor& t, const char* op, const char* what) const {
+    if (!t.defined()) throw Error(fmt::format("{}: the {} tensor is undefined", op, what));
+    if (!t.is_cuda() || t.device().index() != device_) {
+      throw Error(fmt::format("{}: the {} tensor is on {}; this rank's NCCL communicator works on cuda:{}", op, what,
+                              t.device().str(), device_));
+    }
+    if (!t.is_contiguous()) throw Error(fmt::format("{}: the {} tensor must be contiguous", op, what));
+    (void)nccl_type(t);  // an unsupported dtype fails here, before the collective is counted
+    const bool reduces = std::string_view(op) == "all_reduce" || std::string_view(op) == "reduce_scatter";
+    if (reduces && t.scalar_type() == at::kBool) {
+      throw Error(fmt::format("{}: NCCL does not reduce bool tensors (the {} tensor)", op, what));
+    }
   }
 
   int rank_, world_, device_;
   Monitor monitor_;
   ncclComm_t comm_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  cudaStream_t compute_ = nullptr;  // legacy default stream
+  c10::Stream side_{c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CUDA, 0)};
+  cudaStream_t stream_ = nullptr;  // side_'s
   cudaEvent_t ready_ = nullptr;
   at::Tensor barrier_buf_;
+  std::mutex mu_;
+  std::condition_variable cv_, drained_;
+  std::deque<std::shared_ptr<NcclOp>> in_flight_;
+  std::exception_ptr failure_;
+  std::atomic<bool> aborted_{false};
+  bool stop_ = false;
+  std::thread watchdog_;
 };
+
+void NcclWork::wait() {
+  if (waited_) return;
+  comm_->wait(*op_);
+  waited_ = true;
+}
+
+bool NcclWork::done() { return comm_->completed(*op_); }
 
 }  // namespace
 

@@ -10,6 +10,7 @@
 #include "engine/error.h"
 #include "engine/optim/adam_state.h"
 #include "kernels/cpu/adam.h"
+#include "engine/optim/cuda_stream.h"
 #ifdef ZEAL_HAVE_CUDA
 #include "kernels/cuda/adam.h"
 #endif
@@ -51,7 +52,7 @@ class FusedAdam final : public AdamState {
     for (const FusedSegment& s : segments) {
       ZEAL_CHECK(s.offset >= 0 && s.offset + s.n <= n && (s.master || s.n == 0)) << "segment outside the partition";
     }
-    if (device.is_cuda()) return cuda_step(h, segments);
+    if (device.is_cuda()) return cuda_step(h, device, segments);
     const int threads = at::get_num_threads();
     for (const FusedSegment& s : segments) {
       if (s.n == 0) continue;
@@ -69,8 +70,9 @@ class FusedAdam final : public AdamState {
   }
 
  private:
-  void cuda_step(const cpu::AdamHyper& h, const std::vector<FusedSegment>& segments) {
+  void cuda_step(const cpu::AdamHyper& h, const at::Device& device, const std::vector<FusedSegment>& segments) {
 #ifdef ZEAL_HAVE_CUDA
+    CudaDeviceScope scope(device);
     std::vector<cuda::AdamTensor> tensors;
     for (const FusedSegment& s : segments) {
       ZEAL_CHECK(s.grad_type == segments[0].grad_type && s.copy_type == segments[0].copy_type && !s.copy == !segments[0].copy)
@@ -78,9 +80,12 @@ class FusedAdam final : public AdamState {
       tensors.push_back({s.master, exp_avg_.data_ptr<float>() + s.offset, exp_avg_sq_.data_ptr<float>() + s.offset, s.grad,
                          s.copy, s.n});
     }
-    if (!tensors.empty()) cuda::multi_tensor_adam(h, tensors, segments[0].grad_type, segments[0].copy_type, nullptr);
+    // On the current stream, after the gradients' reduction the program's stream waits for.
+    if (!tensors.empty()) {
+      cuda::multi_tensor_adam(h, tensors, segments[0].grad_type, segments[0].copy_type, current_stream(device));
+    }
 #else
-    (void)h, (void)segments;
+    (void)h, (void)device, (void)segments;
     throw Error(fmt::format("{}: this build of zeal has no CUDA kernels", name()));
 #endif
   }

@@ -1,5 +1,6 @@
 #include "engine/runtime/runtime.h"
 
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -14,6 +15,8 @@
 #include <fmt/format.h>
 
 #include "engine/comm/backends.h"
+#include "engine/comm/staging.h"
+#include "engine/runtime/device_choice.h"
 #include "engine/config/config.h"
 
 namespace zeal {
@@ -154,8 +157,10 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
     }
     check_in(*m.store, env, m.timeout);
   }
-  m.gloo = detail::make_gloo_communicator(m.store, env.rank, env.world_size, m.timeout, m.options.debug_collectives,
-                                          env.world_size == 1 ? "127.0.0.1" : env.master_addr);
+  // CUDA tensors are staged through pinned host memory, so ranks that share a GPU can train.
+  m.gloo = detail::make_staging_communicator(detail::make_gloo_communicator(
+      m.store, env.rank, env.world_size, m.timeout, m.options.debug_collectives,
+      env.world_size == 1 ? "127.0.0.1" : env.master_addr));
 }
 
 Runtime::~Runtime() = default;
@@ -167,7 +172,17 @@ Communicator& Runtime::comm() { return *impl_->gloo; }
 Communicator& Runtime::cuda_comm() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->nccl) {
-    impl_->nccl = detail::make_nccl_communicator(impl_->store, rank(), world_size(), local_rank(), impl_->timeout,
+#ifdef ZEAL_HAVE_NCCL
+    constexpr bool have_nccl = true;
+#else
+    constexpr bool have_nccl = false;
+#endif
+    const int count = at::detail::getCUDAHooks().hasCUDA() ? at::detail::getCUDAHooks().deviceCount() : 0;
+    const DeviceChoice choice = choose_cuda_device(local_rank(), local_world_size(), count, have_nccl);
+    if (choice.backend != CudaBackend::kNccl) {
+      throw Error("ZEAL_COMM_BACKEND=gloo: CUDA tensors go through the Gloo communicator (Runtime::comm())");
+    }
+    impl_->nccl = detail::make_nccl_communicator(impl_->store, rank(), world_size(), choice.device, impl_->timeout,
                                                  impl_->options.debug_collectives);
   }
   return *impl_->nccl;

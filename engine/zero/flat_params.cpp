@@ -9,10 +9,11 @@
 namespace zeal::zero {
 
 at::Tensor initial_flat_values(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
-                               int64_t padded, Communicator& comm, bool same_everywhere) {
+                               int64_t padded, Communicator& comm, bool same_everywhere,
+                               std::optional<at::Device> target) {
   ZEAL_CHECK(params.size() == offsets.size()) << params.size() << " parameters, " << offsets.size() << " offsets";
   c10::NoGradGuard no_grad;
-  const auto device = params.empty() ? at::Device(at::kCPU) : params[0].device();
+  const auto device = target ? *target : params.empty() ? at::Device(at::kCPU) : params[0].device();
   at::Tensor init = at::zeros({padded}, at::TensorOptions().dtype(at::kFloat).device(device));
   for (size_t i = 0; i < params.size(); ++i) {
     init.narrow(0, offsets[i], params[i].numel()).copy_(params[i].detach().reshape({-1}));

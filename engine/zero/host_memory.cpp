@@ -1,5 +1,7 @@
 #include "engine/zero/host_memory.h"
 
+#include <c10/core/DeviceGuard.h>
+
 #include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
 
@@ -43,6 +45,7 @@ void alloc_storage(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
   if (s->nbytes() == bytes) return;
+  c10::OptionalDeviceGuard on(t.device().is_cpu() ? std::nullopt : std::optional<c10::Device>(t.device()));
   s->set_data_ptr_noswap(t.device().is_cpu() && bytes >= kMapBytes ? map_bytes(bytes, t.device())
                                                                    : s->allocator()->allocate(bytes));
   s->set_nbytes(bytes);

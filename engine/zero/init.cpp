@@ -60,20 +60,26 @@ int64_t InitShards::bytes() const {
   return n;
 }
 
-InitContext::InitContext(Communicator& comm, bool partition)
+InitContext::InitContext(Communicator& comm, bool partition, at::Device device)
     : comm_(comm), partition_(partition && comm.world_size() > 1), prev_(g_current) {
   if (partition_) {
-    // Every rank builds with rank 0's generator state: the same values everywhere, those one
-    // process seeded like rank 0 builds.
-    auto gen = at::detail::getDefaultCPUGenerator();
-    at::Tensor state;
-    {
+    // Every rank builds with rank 0's generator states: the same values everywhere, those one
+    // process seeded like rank 0 builds. The states travel on the engine's device (NCCL takes
+    // only tensors there); on a GPU, that GPU's generator too.
+    std::vector<at::Generator> gens{at::detail::getDefaultCPUGenerator()};
+    if (!device.is_cpu()) gens.push_back(at::globalContext().defaultGenerator(device));
+    for (auto& gen : gens) {
+      at::Tensor state;
+      {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        state = gen.get_state();
+      }
+      at::Tensor travelling = state.to(device).contiguous();
+      comm_.broadcast(travelling, 0).wait();
+      state = travelling.to(at::kCPU);
       std::lock_guard<std::mutex> lock(gen.mutex());
-      state = gen.get_state();
+      gen.set_state(state);
     }
-    comm_.broadcast(state, 0).wait();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state);
   }
   counter_ = std::make_unique<CpuMemoryCounter>();
   g_current = this;
@@ -95,7 +101,7 @@ void InitContext::partition(ShardedBase& unit) {
     const void* key = p.unsafeGetTensorImpl();
     if (shards_->slices_.count(key)) continue;  // a nested unit's, already partitioned
     bytes += bytes_of(p);
-    if (!partition_ || p.numel() == 0 || !p.device().is_cpu()) continue;
+    if (!partition_ || p.numel() == 0) continue;  // on any device: the slice stays where p is
     const int64_t per = (p.numel() + world - 1) / world;
     at::Tensor flat = p.detach().reshape({-1});
     at::Tensor slice = at::zeros({per}, p.options().requires_grad(false));

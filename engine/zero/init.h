@@ -36,7 +36,7 @@ std::unordered_set<const void*> root_parameters(torch::nn::Module& model);
 class InitShards {
  public:
   struct Slice {
-    at::Tensor data;  // numel_padded / world elements, the parameter's dtype, CPU
+    at::Tensor data;  // numel_padded / world elements, the parameter's dtype and device
     int64_t numel = 0;
   };
   bool contains(const at::Tensor& p) const { return slices_.count(p.unsafeGetTensorImpl()) > 0; }
@@ -67,8 +67,9 @@ struct InitReport {
 class InitContext {
  public:
   // partition: keep slices (stage 3 with zero3_init_flag and more than one rank); otherwise the
-  // context only measures.
-  InitContext(Communicator& comm, bool partition);
+  // context only measures. device: the engine's; the generator states go through `comm` there, and
+  // on a CUDA device that device's generator is made rank 0's too (a block built on the GPU).
+  InitContext(Communicator& comm, bool partition, at::Device device = at::kCPU);
   ~InitContext();
   InitContext(const InitContext&) = delete;
   InitContext& operator=(const InitContext&) = delete;

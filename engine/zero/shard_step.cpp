@@ -9,6 +9,10 @@
 #include <algorithm>
 
 #include "engine/error.h"
+#include "engine/optim/cuda_stream.h"
+#ifdef ZEAL_HAVE_CUDA
+#include "kernels/cuda/adam.h"
+#endif
 
 namespace zeal::zero {
 
@@ -73,6 +77,59 @@ cpu::GradStats ShardStep::stats(double inv_scale) {
   return s;
 }
 
+std::vector<at::Tensor> ShardStep::current_grads(double inv_scale, double* scale) const {
+  std::vector<at::Tensor> grads;
+  *scale = 1.0;
+  if (grad32_ready_) {
+    grads.push_back(grad32_);
+  } else {
+    for (const Piece& p : pieces_)
+      if (p.grad.numel() > 0) grads.push_back(p.grad);
+    *scale = inv_scale * pending_scale_;
+  }
+  return grads;
+}
+
+at::Tensor ShardStep::sumsq_on_device(double inv_scale) {
+  c10::NoGradGuard no_grad;
+  const auto opts = at::TensorOptions().dtype(at::kDouble).device(device());
+  double scale = 1.0;
+  const std::vector<at::Tensor> grads = current_grads(inv_scale, &scale);
+  at::Tensor out = at::zeros({1}, opts);
+  if (grads.empty()) return out;
+#ifdef ZEAL_HAVE_CUDA
+  bool one_type = true;
+  for (const at::Tensor& g : grads) one_type = one_type && g.scalar_type() == grads[0].scalar_type() && g.is_contiguous();
+  if (device().is_cuda() && one_type) {
+    std::vector<const void*> ptrs;
+    std::vector<int64_t> sizes;
+    for (const at::Tensor& g : grads) {
+      ptrs.push_back(g.data_ptr());
+      sizes.push_back(g.numel());
+    }
+    at::Tensor workspace = at::empty({std::max<int64_t>(cuda::sumsq_workspace(sizes), 1)}, opts);
+    optim::CudaDeviceScope scope(device());
+    cuda::multi_tensor_sumsq(ptrs, sizes, kernel_dtype(grads[0].scalar_type()), out.data_ptr<double>(),
+                             workspace.data_ptr<double>(), optim::current_stream(device()));
+    if (scale != 1.0) out.mul_(scale * scale);
+    return out;
+  }
+#endif
+  for (const at::Tensor& g : grads) out.add_(at::linalg_vector_norm(g, 2, std::nullopt, false, at::kDouble).square());
+  if (scale != 1.0) out.mul_(scale * scale);
+  return out;
+}
+
+at::Tensor ShardStep::amax_on_device(double inv_scale) {
+  c10::NoGradGuard no_grad;
+  at::Tensor out = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device()));
+  double scale = 1.0;
+  const std::vector<at::Tensor> grads = current_grads(inv_scale, &scale);
+  for (const at::Tensor& g : grads) out = at::maximum(out, g.abs().max().to(at::kDouble).reshape({1}));
+  if (scale != 1.0) out.mul_(std::abs(scale));
+  return out;
+}
+
 void ShardStep::scale(double c) {
   c10::NoGradGuard no_grad;
   if (grad32_ready_) grad32_.mul_(c);
@@ -87,7 +144,20 @@ const at::Tensor& ShardStep::fp32_grads(double inv_scale) {
     for (const Piece& p : pieces_) grad32_.narrow(0, p.offset, p.grad.numel()).copy_(p.grad);
   }
   const double scale = inv_scale * pending_scale_;
-  if (scale != 1.0) grad32_.mul_(scale);
+  if (scale != 1.0) {
+#ifdef ZEAL_HAVE_CUDA
+    if (grad32_.is_cuda()) {  // the multi-tensor unscale kernel, on the current stream
+      at::Tensor found_inf = at::zeros({1}, grad32_.options().dtype(at::kInt));
+      optim::CudaDeviceScope scope(grad32_.device());
+      cuda::multi_tensor_unscale({grad32_.data_ptr<float>()}, {grad32_.numel()}, static_cast<float>(scale),
+                                 found_inf.data_ptr<int>(), optim::current_stream(grad32_.device()));
+    } else {
+      grad32_.mul_(scale);
+    }
+#else
+    grad32_.mul_(scale);
+#endif
+  }
   pending_scale_ = 1.0;
   grad32_ready_ = true;
   return grad32_;

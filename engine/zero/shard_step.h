@@ -47,6 +47,12 @@ class ShardStep {
 
   // Statistics of the unscaled gradients (× inv_scale and any deferred clip factor).
   cpu::GradStats stats(double inv_scale);
+  // The same two numbers as one-element double tensors on the partition's device, computed without
+  // the host waiting (CUDA: the multi-tensor sum-of-squares kernel on the current stream), so a
+  // step on a GPU synchronises once, for the global norm, whatever the number of pieces.
+  at::Tensor sumsq_on_device(double inv_scale);
+  at::Tensor amax_on_device(double inv_scale);
+  at::Device device() const { return state_options_.device(); }
   // Multiplies the gradients by c: deferred into the update's multiplier when possible.
   void scale(double c);
   // The unscaled gradients as one fp32 tensor laid out like the master, to modify in place; made
@@ -72,6 +78,9 @@ class ShardStep {
   int64_t workspace_bytes() const;
 
  private:
+  // The gradients the statistics read now and the factor still to apply to them.
+  std::vector<at::Tensor> current_grads(double inv_scale, double* scale) const;
+
   at::Tensor master_;
   int64_t total_ = 0;                // elements of the partition (the optimizer state's size)
   at::TensorOptions state_options_;  // fp32 on the partition's device

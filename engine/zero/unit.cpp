@@ -28,7 +28,9 @@ at::Tensor Unit::build(Part& part, bool same_everywhere) {
   const FlatLayout& l = *part.layout;
   for (int i = 0; i < l.num_params(); ++i) offsets.push_back(l.offset(i));
   for (int64_t n : numels) numel_ += n;
-  at::Tensor init = initial_flat_values(part.params, offsets, l.padded_total(), comm, same_everywhere);
+  // On the engine's device: the parameters may still be on the CPU (prepare moves a stage-3 model
+  // unit by unit, here, never whole).
+  at::Tensor init = initial_flat_values(part.params, offsets, l.padded_total(), comm, same_everywhere, o.device);
   // Frozen integer parameters keep their dtype; everything floating computes in the compute dtype.
   const at::ScalarType dtype = &part == &train_ || at::isFloatingType(part.params[0].scalar_type())
                                    ? o.compute_dtype

@@ -1,5 +1,7 @@
 #include "engine/zero/zero_optimizer.h"
 
+#include <optional>
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
@@ -20,6 +22,16 @@ void Sharding::reset_norm() {
   overflow_ = false;
 }
 
+namespace {
+// The device the partitions live on when it is not the CPU (a group without elements of this
+// rank's reports the CPU), else nullopt.
+std::optional<at::Device> accelerator(const std::vector<ShardStep*>& steps) {
+  for (ShardStep* s : steps)
+    if (!s->device().is_cpu()) return s->device();
+  return std::nullopt;
+}
+}  // namespace
+
 double Sharding::grad_norm(double inv_scale, double norm_type) {
   if (norm_type != 2.0 && !std::isinf(norm_type)) {
     throw Error(fmt::format("gradient norms of type {} are not supported (2 or inf)", norm_type));
@@ -30,11 +42,22 @@ double Sharding::grad_norm(double inv_scale, double norm_type) {
     // Sums of squares in double, one all-reduce over ranks: an inf or nan anywhere makes it
     // non-finite on every rank.
     double local = 0;
-    for (ShardStep* s : shard_steps()) local += s->stats(inv_scale).sumsq;
-    if (sharded) {
-      at::Tensor t = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
-      comm_.all_reduce(t, ReduceOp::kSum).wait();
+    const auto steps = shard_steps();
+    if (const auto dev = accelerator(steps)) {
+      // On the gradients' device, each partition's sum without a host wait, reduced there: the
+      // step's one synchronisation is reading the global sum.
+      at::Tensor t = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(*dev));
+      for (ShardStep* s : steps)
+        if (s->device() == *dev) t.add_(s->sumsq_on_device(inv_scale));  // others are empty
+      if (sharded) comm_.all_reduce(t, ReduceOp::kSum).wait();
       local = t.item<double>();
+    } else {
+      for (ShardStep* s : steps) local += s->stats(inv_scale).sumsq;
+      if (sharded) {
+        at::Tensor t = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
+        comm_.all_reduce(t, ReduceOp::kSum).wait();
+        local = t.item<double>();
+      }
     }
     sumsq_ = local;
     have_norm_ = true;
@@ -43,7 +66,15 @@ double Sharding::grad_norm(double inv_scale, double norm_type) {
   if (!std::isinf(norm_type)) return std::sqrt(sumsq_);
   if (!std::isfinite(sumsq_)) return std::numeric_limits<double>::infinity();
   double m = 0;
-  for (ShardStep* s : shard_steps()) m = std::max(m, static_cast<double>(s->stats(inv_scale).amax));
+  const auto steps = shard_steps();
+  if (const auto dev = accelerator(steps)) {
+    at::Tensor t = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(*dev));
+    for (ShardStep* s : steps)
+      if (s->device() == *dev) t = at::maximum(t, s->amax_on_device(inv_scale));
+    if (sharded) comm_.all_reduce(t, ReduceOp::kMax).wait();
+    return t.item<double>();
+  }
+  for (ShardStep* s : steps) m = std::max(m, static_cast<double>(s->stats(inv_scale).amax));
   if (sharded) {
     at::Tensor t = at::full({1}, m, at::TensorOptions().dtype(at::kDouble));
     comm_.all_reduce(t, ReduceOp::kMax).wait();

@@ -3,7 +3,10 @@
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
+#include <dirent.h>
 #include <unistd.h>
+
+#include <algorithm>
 
 #include <chrono>
 #include <cstdlib>
@@ -42,10 +45,63 @@ TEST_P(Collectives, EveryOpDtypeAndUnevenSizeMatchesLocalValues) {
 
 INSTANTIATE_TEST_SUITE_P(World, Collectives, ::testing::Values(1, 2, 3, 4));
 
+// The runtime's host communicator takes CPU and CUDA tensors; anything else is named with the
+// operation and the device, before the collective is counted (the ranks stay in step).
+TEST(Collectives, ATensorOnAnotherDeviceIsNamed) {
+  auto results = spawn(
+      [](Runtime& rt) {
+        Communicator& c = rt.comm();
+        const at::Tensor meta = at::empty({8}, at::TensorOptions().device(at::kMeta));
+        const at::Tensor cpu = at::ones({8});
+        const uint64_t before = c.sequence();
+        auto expect_error = [&](const char* what, auto&& call, const std::string& words) {
+          try {
+            call();
+          } catch (const Error& e) {
+            if (std::string(e.what()).find(words) == std::string::npos) {
+              throw Error(std::string(what) + ": the error does not say '" + words + "': " + e.what());
+            }
+            return;
+          }
+          throw Error(std::string(what) + " took a tensor on the meta device");
+        };
+        expect_error("all_reduce", [&] { c.all_reduce(meta, ReduceOp::kSum); }, "all_reduce: a tensor is on meta");
+        expect_error("broadcast", [&] { c.broadcast(meta, 0); }, "broadcast: a tensor is on meta");
+        expect_error("all_gather", [&] { c.all_gather(meta.narrow(0, 0, 4), cpu); }, "all_gather: a tensor is on meta");
+        expect_error("reduce_scatter", [&] { c.reduce_scatter(meta, cpu.narrow(0, 0, 4), ReduceOp::kSum); },
+                     "reduce_scatter: a tensor is on meta");
+        if (c.sequence() != before) throw Error("a refused call was counted as a collective");
+        // And the ranks are still in step: a real collective after the refusals.
+        at::Tensor t = at::full({3}, static_cast<double>(rt.rank() + 1));
+        c.all_reduce(t, ReduceOp::kSum).wait();
+        const double want = rt.world_size() * (rt.world_size() + 1) / 2.0;
+        if (!at::equal(t, at::full({3}, want))) throw Error("the all_reduce after the refusals is wrong");
+      },
+      2);
+  EXPECT_EQ(describe_failures(results), "");
+}
+
+// GPUs this process may use, counted without initialising CUDA: spawn forks the ranks, and CUDA
+// initialised in the parent cannot be used in a forked child.
+int gpus_without_initialising_cuda() {
+  if (!at::detail::getCUDAHooks().hasCUDART()) return 0;  // LibTorch's CPU half only
+  if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES"); v && *v) {
+    const std::string list(v);
+    if (list == "-1" || list == "none") return 0;
+    return static_cast<int>(std::count(list.begin(), list.end(), ',')) + 1;
+  }
+  int n = 0;
+  if (DIR* d = opendir("/proc/driver/nvidia/gpus")) {
+    while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+    closedir(d);
+  }
+  return n;
+}
+
 // The NCCL backend on CUDA tensors: one rank per GPU, as many ranks as GPUs (at most 4).
 TEST(NcclCollectives, EveryOpDtypeAndUnevenSizeMatchesLocalValues) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU (or LibTorch without CUDA): the NCCL backend runs only on GPUs";
-  const int gpus = static_cast<int>(std::min<int64_t>(4, at::detail::getCUDAHooks().deviceCount()));
+  const int gpus = std::min(4, gpus_without_initialising_cuda());
+  if (gpus == 0) GTEST_SKIP() << "no GPU (or LibTorch without CUDA): the NCCL backend runs only on GPUs";
   auto results = spawn(
       [](Runtime& rt) {
         EXPECT_EQ(rt.cuda_comm().backend(), "nccl");

@@ -14,6 +14,7 @@
 #include "engine/config/config.h"
 #include "engine/error.h"
 #include "engine/optim/optimizer.h"
+#include "engine/zero/shard_step.h"
 #include "tests/optim_error_bound.h"
 
 namespace zeal::optim {
@@ -263,3 +264,37 @@ TEST(Optimizer, FromConfigAndErrors) {
 
 }  // namespace
 }  // namespace zeal::optim
+
+// The step's statistics computed on the partition's device (what a GPU step reduces without a host
+// wait per piece) against a float64 computation of the same gradients, for fp32 and bf16 pieces,
+// with a pending loss scale and a deferred clip factor; and equal to the host statistics.
+TEST(ShardStepStatistics, OnTheDeviceMatchFloat64) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    at::manual_seed(7);
+    const std::vector<int64_t> sizes{1000, 1, 4097, 33};
+    std::vector<zeal::zero::ShardStep::Piece> pieces;
+    int64_t offset = 0;
+    double want_sumsq = 0, want_amax = 0;
+    const double inv_scale = 1.0 / 1024.0, clip = 0.37;
+    for (int64_t n : sizes) {
+      at::Tensor g = (at::randn({n}) * 300.0).to(dtype);
+      const at::Tensor g64 = g.to(at::kDouble) * inv_scale * clip;
+      want_sumsq += g64.square().sum().item<double>();
+      want_amax = std::max(want_amax, g64.abs().max().item<double>());
+      pieces.push_back({offset, g, at::zeros({n}, at::TensorOptions().dtype(dtype))});
+      offset += n;
+    }
+    zeal::optim::Hyper h;
+    zeal::zero::ShardStep step(at::zeros({offset}), zeal::optim::make_fused_adamw(h), std::move(pieces));
+    step.scale(clip);  // deferred into the update's multiplier
+    const double sumsq = step.sumsq_on_device(inv_scale).item<double>();
+    const double amax = step.amax_on_device(inv_scale).item<double>();
+    // Every element squared and summed in double: (n + 2) roundings of 2^-53 each, relative.
+    const double n = static_cast<double>(offset);
+    EXPECT_LE(std::abs(sumsq - want_sumsq), (n + 4) * std::ldexp(1.0, -53) * want_sumsq) << c10::toString(dtype);
+    EXPECT_LE(std::abs(amax - want_amax), 4 * std::ldexp(1.0, -53) * want_amax) << c10::toString(dtype);
+    const auto host = step.stats(inv_scale);
+    EXPECT_LE(std::abs(host.sumsq - sumsq), (n + 4) * std::ldexp(1.0, -53) * 2 * want_sumsq);
+    EXPECT_EQ(step.device(), at::Device(at::kCPU));
+  }
+}
