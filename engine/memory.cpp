@@ -15,11 +15,13 @@ std::string format_bytes(double bytes) {
 }
 
 std::string MemoryReport::summary() const {
-  return fmt::format("params {}, grads {}, master {}, optimizer {} (model states {}); frozen {}, buffers {}, "
-                     "workspace {}",
-                     format_bytes(params), format_bytes(grads), format_bytes(master), format_bytes(optimizer_states),
-                     format_bytes(model_states()), format_bytes(frozen_params), format_bytes(buffers),
-                     format_bytes(workspace));
+  std::string s = fmt::format("params {}, grads {}, master {}, optimizer {} (model states {}); frozen {}, buffers {}, "
+                              "workspace {}",
+                              format_bytes(params), format_bytes(grads), format_bytes(master),
+                              format_bytes(optimizer_states), format_bytes(model_states()), format_bytes(frozen_params),
+                              format_bytes(buffers), format_bytes(workspace));
+  if (offload_host > 0) s += fmt::format("; offloaded to host memory {}", format_bytes(offload_host));
+  return s;
 }
 
 double expected_model_state_bytes(const StageModel& m) {

@@ -22,6 +22,10 @@ struct MemoryReport {
   // engine.init: the most CPU memory construction held at once, and what it may hold (stage 3
   // partitioned: the largest Sharded member + the root's parameters and buffers + the slices kept).
   int64_t construction_peak = 0, construction_bound = 0;
+  // Offload (offload_optimizer.device cpu): host memory the offload manager holds now (master
+  // weights, optimizer state and the step's two buffers, already counted above where they are
+  // model states) and the most it held.
+  int64_t offload_host = 0, offload_host_peak = 0;
   int64_t model_states() const { return params + grads + master + optimizer_states; }
   int64_t total() const { return model_states() + frozen_params + buffers + workspace; }
   // "params 1.2 MiB, grads …" on one line.

@@ -17,8 +17,8 @@ class AdamState : public Optimizer {
 
   using Optimizer::allocate_state;
   void allocate_state(int64_t n, const at::TensorOptions& o) override {
-    exp_avg_ = at::zeros({n}, o.dtype(at::kFloat));
-    exp_avg_sq_ = at::zeros({n}, o.dtype(at::kFloat));
+    exp_avg_ = new_state(n, o);
+    exp_avg_sq_ = new_state(n, o);
   }
   std::map<std::string, at::Tensor> state() const override {
     if (!exp_avg_.defined()) return {};

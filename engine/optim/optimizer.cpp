@@ -84,7 +84,7 @@ class SgdImpl final : public Optimizer {
 
   using Optimizer::allocate_state;
   void allocate_state(int64_t n, const at::TensorOptions& o) override {
-    if (hyper_.momentum != 0) buf_ = at::zeros({n}, o.dtype(at::kFloat));
+    if (hyper_.momentum != 0) buf_ = new_state(n, o);
   }
 
   std::map<std::string, at::Tensor> state() const override {
@@ -101,6 +101,11 @@ class SgdImpl final : public Optimizer {
 }  // namespace
 
 void Optimizer::allocate_state(const at::Tensor& params) { allocate_state(params.numel(), params.options()); }
+
+at::Tensor Optimizer::new_state(int64_t n, const at::TensorOptions& o) const {
+  if (state_alloc_) return state_alloc_(n, at::kFloat);
+  return at::zeros({n}, o.dtype(at::kFloat));
+}
 
 void Optimizer::fused_step(const at::Tensor& params, std::vector<FusedSegment> segments, double grad_scale) {
   if (!fused()) throw Error(fmt::format("{} has no fused step", name()));

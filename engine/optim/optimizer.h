@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -81,14 +82,23 @@ class Optimizer {
   virtual void fused_update(int64_t n, at::Device device, const std::vector<FusedSegment>& segments,
                             double grad_scale);
 
+  // Where allocate_state puts the state tensors (the offload manager's host memory); at::zeros on
+  // the given options by default. Set before allocate_state.
+  using StateAllocator = std::function<at::Tensor(int64_t n, at::ScalarType dtype)>;
+  void set_state_allocator(StateAllocator a) { state_alloc_ = std::move(a); }
+
   double lr() const { return hyper_.lr; }
   void set_lr(double lr) { hyper_.lr = lr; }
   int64_t steps() const { return steps_; }
   const Hyper& hyper() const { return hyper_; }
 
  protected:
+  // A zero-filled fp32 state tensor of n elements: from the state allocator when one is set.
+  at::Tensor new_state(int64_t n, const at::TensorOptions& o) const;
+
   Hyper hyper_;
   int64_t steps_ = 0;
+  StateAllocator state_alloc_;
 };
 
 

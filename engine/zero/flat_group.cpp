@@ -84,9 +84,10 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
   // parameters are their own master weights (no copy) when the optimizer is fused.
   at::Tensor init = initial_flat_values(params_, flat_offset_, padded_, comm_, /*same_everywhere=*/false);
   at::Tensor master;
-  optimizer->allocate_state(owned_total_, init.options());
-  if (!ShardStep::can_alias(*optimizer, opts_.compute_dtype, init.device())) {
-    master = at::empty({owned_total_}, init.options());
+  // Offloaded: the master is made on the host and the state in the arena (ShardStep::offload_to).
+  if (!opts_.offload) optimizer->allocate_state(owned_total_, init.options());
+  if (opts_.offload || !ShardStep::can_alias(*optimizer, opts_.compute_dtype, init.device())) {
+    master = at::empty({owned_total_}, init.options().device(opts_.offload ? at::Device(at::kCPU) : init.device()));
     for (int b = 0; b < num_buckets(); ++b) {
       master.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(init, b));
     }
@@ -115,6 +116,7 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
     alias = opts_.stage == 2 ? grad_part_ : opts_.stage == 0 ? grad_flat_ : at::Tensor();
   }
   step_ = ShardStep(std::move(master), std::move(optimizer), std::move(pieces), alias);
+  if (opts_.offload) step_.offload_to(opts_.offload);
 
   // A post hook on each parameter's gradient accumulator tells the group its gradient arrived.
   hook_state_ = std::make_shared<HookState>();

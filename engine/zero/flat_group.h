@@ -51,6 +51,9 @@ struct GroupOptions {
   int64_t bucket_elems = 500'000'000;
   bool overlap_comm = false;  // reduce buckets asynchronously behind the backward
   int64_t align = 16;         // shard sizes are a multiple of this many elements
+  // offload_optimizer.device cpu: the master weights and optimizer state live in this host arena
+  // and the step runs on the CPU (ShardStep::offload_to).
+  std::shared_ptr<offload::HostArena> offload;
 };
 
 // Bytes a rank holds for one group.

@@ -10,6 +10,7 @@
 
 #include "engine/error.h"
 #include "engine/optim/cuda_stream.h"
+#include "engine/zero/offload_state.h"
 #ifdef ZEAL_HAVE_CUDA
 #include "kernels/cuda/adam.h"
 #endif
@@ -163,10 +164,71 @@ const at::Tensor& ShardStep::fp32_grads(double inv_scale) {
   return grad32_;
 }
 
+void ShardStep::offload_to(std::shared_ptr<offload::HostArena> arena) {
+  ZEAL_CHECK(!arena_) << "a partition offloaded twice";
+  ZEAL_CHECK(master_.defined()) << "an offloaded partition keeps its master weights apart from the parameters";
+  c10::NoGradGuard no_grad;
+  arena_ = std::move(arena);
+  at::Tensor host = arena_tensor(arena_, total_, at::kFloat);
+  if (total_ > 0) host.copy_(master_);
+  master_ = host;
+  auto a = arena_;
+  optimizer_->set_state_allocator([a](int64_t n, at::ScalarType dtype) { return arena_tensor(a, n, dtype); });
+  optimizer_->allocate_state(total_, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
+  host_grad_ = arena_tensor(arena_, total_, at::kFloat);
+  const at::ScalarType out_type = pieces_.empty() ? at::kFloat : pieces_[0].out.scalar_type();
+  for (const Piece& p : pieces_) {
+    ZEAL_CHECK(p.out.scalar_type() == out_type) << "the pieces of one partition compute in one dtype";
+  }
+  host_out_ = arena_tensor(arena_, total_, out_type);
+  fused_ = optimizer_->fused();  // the CPU kernels now, whatever the device
+}
+
+void ShardStep::apply_offloaded(double lr, double inv_scale) {
+  (void)lr;  // set on the optimizer by apply()
+  // The gradients into the host buffer (from the device on a GPU), as the step without offload
+  // would read them: the fp32 copy when one was made, else the reduced gradients as they are.
+  double scale = 1.0;
+  if (grad32_ready_) {
+    host_grad_.copy_(grad32_);
+  } else {
+    for (const Piece& p : pieces_)
+      if (p.grad.numel() > 0) host_grad_.narrow(0, p.offset, p.grad.numel()).copy_(p.grad);
+    scale = inv_scale * pending_scale_;
+  }
+  if (!fused_) {
+    if (scale != 1.0) host_grad_.mul_(scale);
+    optimizer_->step(master_, host_grad_);
+    for (const Piece& p : pieces_) p.out.copy_(master_.narrow(0, p.offset, p.out.numel()));
+  } else {
+    std::vector<optim::FusedSegment> segments;
+    const auto out_type = kernel_dtype(host_out_.scalar_type());
+    auto* out_bytes = static_cast<char*>(host_out_.data_ptr());
+    for (const Piece& p : pieces_) {
+      if (p.grad.numel() == 0) continue;
+      optim::FusedSegment seg;
+      seg.offset = p.offset;
+      seg.n = p.grad.numel();
+      seg.grad = host_grad_.data_ptr<float>() + p.offset;
+      seg.grad_type = cpu::DType::kFp32;
+      seg.master = master_.data_ptr<float>() + p.offset;
+      seg.copy = out_bytes + p.offset * static_cast<int64_t>(host_out_.element_size());
+      seg.copy_type = out_type;
+      segments.push_back(seg);
+    }
+    optimizer_->fused_update(total_, at::kCPU, segments, scale);
+    for (const Piece& p : pieces_)
+      if (p.out.numel() > 0) p.out.copy_(host_out_.narrow(0, p.offset, p.out.numel()));
+  }
+  if (!grad32_.is_same(alias_)) grad32_ = alias_;
+  grad32_ready_ = false;
+}
+
 void ShardStep::apply(double lr, double inv_scale) {
   c10::NoGradGuard no_grad;
   optimizer_->set_lr(lr);
   if (total_ == 0) return;
+  if (arena_) return apply_offloaded(lr, inv_scale);
   if (!fused_) {
     optimizer_->step(master_, fp32_grads(inv_scale));
     for (const Piece& p : pieces_) p.out.copy_(master_.narrow(0, p.offset, p.out.numel()));

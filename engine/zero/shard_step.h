@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/optim/optimizer.h"
+#include "offload/host_arena.h"
 #include "kernels/cpu/adam.h"
 
 namespace zeal::zero {
@@ -53,6 +54,13 @@ class ShardStep {
   at::Tensor sumsq_on_device(double inv_scale);
   at::Tensor amax_on_device(double inv_scale);
   at::Device device() const { return state_options_.device(); }
+  // ZeRO-Offload: the master (which must be a separate tensor), the optimizer state and two step
+  // buffers (fp32 gradients, compute-precision results) move into the arena's host memory. From then
+  // on apply() streams the gradients into the host buffer, updates on the CPU and streams the results
+  // back into every piece's `out`. Bit-identical to the step without offload. Call once, before the
+  // first step.
+  void offload_to(std::shared_ptr<offload::HostArena> arena);
+  bool offloaded() const { return arena_ != nullptr; }
   // Multiplies the gradients by c: deferred into the update's multiplier when possible.
   void scale(double c);
   // The unscaled gradients as one fp32 tensor laid out like the master, to modify in place; made
@@ -81,6 +89,10 @@ class ShardStep {
   // The gradients the statistics read now and the factor still to apply to them.
   std::vector<at::Tensor> current_grads(double inv_scale, double* scale) const;
 
+  void apply_offloaded(double lr, double inv_scale);
+
+  std::shared_ptr<offload::HostArena> arena_;
+  at::Tensor host_grad_, host_out_;  // offload: the step's buffers in the arena
   at::Tensor master_;
   int64_t total_ = 0;                // elements of the partition (the optimizer state's size)
   at::TensorOptions state_options_;  // fp32 on the partition's device

@@ -142,7 +142,7 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
   // fp32 parameters are their own master weights (no copy) when the group's optimizer is fused.
   std::vector<bool> alias_master(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    alias_master[g] = ShardStep::can_alias(*groups[g].optimizer, opts_.compute_dtype, opts_.device);
+    alias_master[g] = !opts_.offload && ShardStep::can_alias(*groups[g].optimizer, opts_.compute_dtype, opts_.device);
   }
   int64_t persistent_bytes = 0;
   for (auto& u : units_) {
@@ -168,7 +168,10 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
         const int64_t end = l.offset(static_cast<int>(j - 1)) + l.numel(static_cast<int>(j - 1));
         const int64_t a = std::max(begin, shard_begin), b = std::min(end, shard_end);
         if (a < b) {
-          if (!alias_master[g]) masters[g].push_back(values.narrow(0, a, b - a).clone());
+          if (!alias_master[g]) {  // offloaded: taken to the host now, never whole on the device
+            masters[g].push_back(opts_.offload ? values.narrow(0, a, b - a).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)
+                                               : values.narrow(0, a, b - a).clone());
+          }
           u->master_pieces_.push_back({g, pieces[g].size()});
           pieces[g].push_back({master_size[g], u->grad_shard_.narrow(0, a - shard_begin, b - a),
                                u->train_.shard.narrow(0, a - shard_begin, b - a)});
@@ -191,8 +194,9 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
     at::Tensor master;
     if (!alias_master[g]) master = masters[g].empty() ? at::empty({0}, fp32) : at::cat(masters[g]);
     masters[g].clear();
-    groups[g].optimizer->allocate_state(master_size[g], fp32);
+    if (!opts_.offload) groups[g].optimizer->allocate_state(master_size[g], fp32);
     steps_.emplace_back(std::move(master), std::move(groups[g].optimizer), std::move(pieces[g]));
+    if (opts_.offload) steps_.back().offload_to(opts_.offload);
   }
   for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i)
     if (units_[i]->has_trainable()) reduce_order_.push_back(i);

@@ -63,6 +63,8 @@ struct Stage3Options {
   int64_t max_reuse_elems = 1'000'000'000;
   int64_t align = 16;
   at::Device device = at::kCPU;
+  // offload_optimizer.device cpu: the master weights and optimizer state in this host arena.
+  std::shared_ptr<offload::HostArena> offload;
 };
 
 // What a Sharded member and the autograd nodes reach: cleared when Stage3 goes, so a graph or a

@@ -49,6 +49,7 @@ struct RunSpec {
   bool init = false;  // build the model with engine.init (zero3_init_flag)
   uint64_t seed = 7;
   std::string isa;  // ZEAL_CPU_ISA in the ranks (empty: unset)
+  bool offload = false;  // offload_optimizer.device cpu (and offload_param.device cpu in stage 3)
   // fp16 loss scaling
   int64_t initial_scale_power = 16, loss_scale_window = 1000, hysteresis = 2;
 };
@@ -133,6 +134,10 @@ inline zeal::Config make_config(const RunSpec& s) {
   c.zero.stage3_prefetch_bucket_size = {s.prefetch, false};
   c.zero.stage3_max_live_parameters = s.max_live;
   c.zero.zero3_init_flag = s.init;
+  if (s.offload) {
+    c.zero.offload_optimizer.device = zeal::OffloadDevice::kCpu;
+    if (s.stage == 3) c.zero.offload_param.device = zeal::OffloadDevice::kCpu;
+  }
   return c;
 }
 
@@ -230,7 +235,8 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
                at::tensor(std::vector<double>{double(mem.params), double(mem.grads), double(mem.master),
                                               double(mem.optimizer_states), double(mem.frozen_params),
                                               double(engine.num_trainable_parameters()), double(fetches.gathers),
-                                              double(fetches.prefetched), double(fetches.retraced)},
+                                              double(fetches.prefetched), double(fetches.retraced),
+                                              double(mem.offload_host)},
                           at::kDouble));
   if (engine.is_main_process()) {
     write_tensor(dir + "/losses", at::tensor(losses, at::kDouble));

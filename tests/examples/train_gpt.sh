@@ -17,6 +17,16 @@ last=$(tail -n 5 "$log" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END
 awk -v a="$first" -v b="$last" 'BEGIN { exit !(b <= a - 0.5) }' ||
   { echo "FAIL: loss went from $first to $last" >&2; exit 1; }
 grep -q '"gathered_peak_bytes": [1-9]' "$log" || { echo "FAIL: no gathered bytes logged" >&2; exit 1; }
+# The reference config of ZeRO-3 with the optimizer and parameters offloaded to the CPU, unchanged.
+: > "$log"
+"$zeal" launch --num_processes 2 --main_process_port 29534 "$train_gpt" --config_file configs/ds_zero3_cpu.yaml --model tiny --steps 40 --seq_len 32 --micro_batch 8 \
+  --data README.md --log_every 10 --log_jsonl "$log"
+first_off=$(head -n 5 "$log" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END {print s/NR}')
+last_off=$(tail -n 5 "$log" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END {print s/NR}')
+awk -v a="$first_off" -v b="$last_off" 'BEGIN { exit !(b <= a - 0.5) }' ||
+  { echo "FAIL: with ds_zero3_cpu.yaml the loss went from $first_off to $last_off" >&2; exit 1; }
+grep -q '"offload_host_bytes": [1-9]' "$log" || { echo "FAIL: ds_zero3_cpu.yaml offloaded nothing" >&2; exit 1; }
+echo "PASS: ds_zero3_cpu.yaml, loss $first_off -> $last_off"
 if out=$("$train_gpt" --model gpt5 2>&1); then
   echo "FAIL: an unknown preset was accepted" >&2; exit 1
 fi
