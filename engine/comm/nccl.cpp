@@ -146,6 +146,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   Work all_gather(const at::Tensor& shard, const at::Tensor& output) override {
+    std::lock_guard<std::mutex> issuing(issue_mu_);  // no abort between the check and the enqueue
     check(shard, "all_gather", "shard");
     check(output, "all_gather", "output");
     const int64_t s = shard_size(output.numel());
@@ -164,6 +165,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   Work reduce_scatter(const at::Tensor& input, const at::Tensor& shard, ReduceOp op_kind) override {
+    std::lock_guard<std::mutex> issuing(issue_mu_);  // no abort between the check and the enqueue
     check(input, "reduce_scatter", "input");
     check(shard, "reduce_scatter", "shard");
     const int64_t s = shard_size(input.numel());
@@ -186,6 +188,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   Work all_reduce(const at::Tensor& tensor, ReduceOp op_kind) override {
+    std::lock_guard<std::mutex> issuing(issue_mu_);  // no abort between the check and the enqueue
     check(tensor, "all_reduce", "tensor");
     auto op = start(fmt::format("all_reduce({})", to_string(op_kind)), tensor);
     uses(*op, tensor);
@@ -196,6 +199,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   Work broadcast(const at::Tensor& tensor, int root) override {
+    std::lock_guard<std::mutex> issuing(issue_mu_);  // no abort between the check and the enqueue
     check(tensor, "broadcast", "tensor");
     if (root < 0 || root >= world_) throw Error(fmt::format("broadcast: root {} is not a rank of {}", root, world_));
     auto op = start(fmt::format("broadcast(root {})", root), tensor);
@@ -208,6 +212,7 @@ class NcclCommunicator final : public Communicator {
 
   // A barrier holds the host: its wait() returns once every rank has reached it (or throws).
   Work barrier() override {
+    std::lock_guard<std::mutex> issuing(issue_mu_);
     if (!barrier_buf_.defined()) {
       barrier_buf_ = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(at::Device(at::kCUDA, device_)));
     }
@@ -275,14 +280,18 @@ class NcclCommunicator final : public Communicator {
     return Work(std::make_shared<NcclWork>(this, op));
   }
 
+  // Throws the stored failure; once the communicator is aborted, waits for the watchdog's report
+  // (it is being written) rather than touching the aborted communicator.
   void rethrow_failure() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (aborted_.load()) drained_.wait(lock, [this] { return failure_ != nullptr; });
     if (failure_) std::rethrow_exception(failure_);
   }
 
   // The watchdog: retires completed collectives in order; aborts the communicator on an
   // asynchronous error or when the oldest one passes its deadline.
   void watch() {
+    cudaSetDevice(device_);  // this thread's CUDA calls on the rank's GPU, not GPU 0
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       if (in_flight_.empty()) {
@@ -292,26 +301,36 @@ class NcclCommunicator final : public Communicator {
       }
       if (stop_) return;
       bool retired = false;
-      while (!in_flight_.empty() && cudaEventQuery(in_flight_.front()->done) == cudaSuccess) {
+      cudaError_t query = cudaSuccess;
+      while (!in_flight_.empty() && (query = cudaEventQuery(in_flight_.front()->done)) == cudaSuccess) {
         in_flight_.front()->keep.clear();
         in_flight_.front()->retired.store(true);
         in_flight_.pop_front();
         retired = true;
       }
       if (retired) drained_.notify_all();
-      if (in_flight_.empty() || failure_) continue;
+      if (in_flight_.empty() || failure_ || aborted_.load()) continue;
       std::string cause;
       ncclResult_t async_error = ncclSuccess;
       ncclCommGetAsyncError(comm_, &async_error);
-      if (async_error != ncclSuccess && async_error != ncclInProgress) {
+      if (query != cudaSuccess && query != cudaErrorNotReady) {
+        cause = fmt::format("CUDA error: {}", cudaGetErrorString(query));
+      } else if (async_error != ncclSuccess && async_error != ncclInProgress) {
         cause = fmt::format("NCCL error: {}", ncclGetErrorString(async_error));
       } else if (std::chrono::steady_clock::now() > in_flight_.front()->deadline) {
         cause = fmt::format("timed out after {:g} s (comm_timeout)", monitor_.timeout().count() / 1000.0);
       }
       if (cause.empty()) continue;
       const OpInfo info = in_flight_.front()->info;
-      aborted_.store(true);
-      ncclCommAbort(comm_);  // the stuck kernels return; the streams waiting on them move on
+      // Abort only between two collectives' enqueues: the issue lock first (lock order: issue_mu_,
+      // then mu_), so no call is inside NCCL with the communicator being freed.
+      lock.unlock();
+      {
+        std::lock_guard<std::mutex> issuing(issue_mu_);
+        lock.lock();
+        aborted_.store(true);
+        ncclCommAbort(comm_);  // the stuck kernels return; the streams waiting on them move on
+      }
       lock.unlock();
       std::exception_ptr error;
       try {
@@ -346,6 +365,7 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream_ = nullptr;  // side_'s
   cudaEvent_t ready_ = nullptr;
   at::Tensor barrier_buf_;
+  std::mutex issue_mu_;  // held while a collective is checked and enqueued, and while aborting
   std::mutex mu_;
   std::condition_variable cv_, drained_;
   std::deque<std::shared_ptr<NcclOp>> in_flight_;

@@ -91,17 +91,18 @@ std::vector<at::Tensor> ShardStep::current_grads(double inv_scale, double* scale
   return grads;
 }
 
-at::Tensor ShardStep::sumsq_on_device(double inv_scale) {
+at::Tensor ShardStep::sumsq_on_device(double inv_scale, at::Device where) {
   c10::NoGradGuard no_grad;
-  const auto opts = at::TensorOptions().dtype(at::kDouble).device(device());
   double scale = 1.0;
   const std::vector<at::Tensor> grads = current_grads(inv_scale, &scale);
+  if (grads.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(where));
+  const auto opts = at::TensorOptions().dtype(at::kDouble).device(grads[0].device());
   at::Tensor out = at::zeros({1}, opts);
-  if (grads.empty()) return out;
 #ifdef ZEAL_HAVE_CUDA
   bool one_type = true;
   for (const at::Tensor& g : grads) one_type = one_type && g.scalar_type() == grads[0].scalar_type() && g.is_contiguous();
-  if (device().is_cuda() && one_type) {
+  const at::Device device = grads[0].device();
+  if (device.is_cuda() && one_type) {
     std::vector<const void*> ptrs;
     std::vector<int64_t> sizes;
     for (const at::Tensor& g : grads) {
@@ -109,24 +110,24 @@ at::Tensor ShardStep::sumsq_on_device(double inv_scale) {
       sizes.push_back(g.numel());
     }
     at::Tensor workspace = at::empty({std::max<int64_t>(cuda::sumsq_workspace(sizes), 1)}, opts);
-    optim::CudaDeviceScope scope(device());
+    optim::CudaDeviceScope scope(device);
     cuda::multi_tensor_sumsq(ptrs, sizes, kernel_dtype(grads[0].scalar_type()), out.data_ptr<double>(),
-                             workspace.data_ptr<double>(), optim::current_stream(device()));
+                             workspace.data_ptr<double>(), optim::current_stream(device));
     if (scale != 1.0) out.mul_(scale * scale);
-    return out;
+    return out.to(where);
   }
 #endif
   for (const at::Tensor& g : grads) out.add_(at::linalg_vector_norm(g, 2, std::nullopt, false, at::kDouble).square());
   if (scale != 1.0) out.mul_(scale * scale);
-  return out;
+  return out.to(where);
 }
 
-at::Tensor ShardStep::amax_on_device(double inv_scale) {
+at::Tensor ShardStep::amax_on_device(double inv_scale, at::Device where) {
   c10::NoGradGuard no_grad;
-  at::Tensor out = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device()));
+  at::Tensor out = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(where));
   double scale = 1.0;
   const std::vector<at::Tensor> grads = current_grads(inv_scale, &scale);
-  for (const at::Tensor& g : grads) out = at::maximum(out, g.abs().max().to(at::kDouble).reshape({1}));
+  for (const at::Tensor& g : grads) out = at::maximum(out, g.abs().max().to(at::kDouble).reshape({1}).to(where));
   if (scale != 1.0) out.mul_(std::abs(scale));
   return out;
 }

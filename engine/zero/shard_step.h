@@ -48,12 +48,12 @@ class ShardStep {
 
   // Statistics of the unscaled gradients (× inv_scale and any deferred clip factor).
   cpu::GradStats stats(double inv_scale);
-  // The same two numbers as one-element double tensors on the partition's device, computed without
-  // the host waiting (CUDA: the multi-tensor sum-of-squares kernel on the current stream), so a
-  // step on a GPU synchronises once, for the global norm, whatever the number of pieces.
-  at::Tensor sumsq_on_device(double inv_scale);
-  at::Tensor amax_on_device(double inv_scale);
-  at::Device device() const { return state_options_.device(); }
+  // The same two numbers as one-element double tensors on `where` (the gradients' device),
+  // computed where the gradients are without the host waiting (CUDA: the multi-tensor
+  // sum-of-squares kernel on the current stream), so a step on a GPU synchronises once, for the
+  // global norm, whatever the number of pieces. An empty partition gives zeros on `where`.
+  at::Tensor sumsq_on_device(double inv_scale, at::Device where);
+  at::Tensor amax_on_device(double inv_scale, at::Device where);
   // ZeRO-Offload: the master (which must be a separate tensor), the optimizer state and two step
   // buffers (fp32 gradients, compute-precision results) move into the arena's host memory. From then
   // on apply() streams the gradients into the host buffer, updates on the CPU and streams the results

@@ -24,6 +24,7 @@ namespace zero {
 Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::vector<Group> groups, const Stage3Options& options,
                std::shared_ptr<InitShards> init)
     : Sharding(comm), opts_(options), end_of_backward_([this] { end_of_backward(); }, [this] { abandon_backward(); }) {
+  device_ = opts_.device;
   link_->stage = this;
   c10::NoGradGuard no_grad;
   build_units(model, groups, init);

@@ -22,15 +22,6 @@ void Sharding::reset_norm() {
   overflow_ = false;
 }
 
-namespace {
-// The device the partitions live on when it is not the CPU (a group without elements of this
-// rank's reports the CPU), else nullopt.
-std::optional<at::Device> accelerator(const std::vector<ShardStep*>& steps) {
-  for (ShardStep* s : steps)
-    if (!s->device().is_cpu()) return s->device();
-  return std::nullopt;
-}
-}  // namespace
 
 double Sharding::grad_norm(double inv_scale, double norm_type) {
   if (norm_type != 2.0 && !std::isinf(norm_type)) {
@@ -43,12 +34,11 @@ double Sharding::grad_norm(double inv_scale, double norm_type) {
     // non-finite on every rank.
     double local = 0;
     const auto steps = shard_steps();
-    if (const auto dev = accelerator(steps)) {
+    if (!device_.is_cpu()) {
       // On the gradients' device, each partition's sum without a host wait, reduced there: the
       // step's one synchronisation is reading the global sum.
-      at::Tensor t = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(*dev));
-      for (ShardStep* s : steps)
-        if (s->device() == *dev) t.add_(s->sumsq_on_device(inv_scale));  // others are empty
+      at::Tensor t = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+      for (ShardStep* s : steps) t.add_(s->sumsq_on_device(inv_scale, device_));
       if (sharded) comm_.all_reduce(t, ReduceOp::kSum).wait();
       local = t.item<double>();
     } else {
@@ -67,10 +57,9 @@ double Sharding::grad_norm(double inv_scale, double norm_type) {
   if (!std::isfinite(sumsq_)) return std::numeric_limits<double>::infinity();
   double m = 0;
   const auto steps = shard_steps();
-  if (const auto dev = accelerator(steps)) {
-    at::Tensor t = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(*dev));
-    for (ShardStep* s : steps)
-      if (s->device() == *dev) t = at::maximum(t, s->amax_on_device(inv_scale));
+  if (!device_.is_cpu()) {
+    at::Tensor t = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    for (ShardStep* s : steps) t = at::maximum(t, s->amax_on_device(inv_scale, device_));
     if (sharded) comm_.all_reduce(t, ReduceOp::kMax).wait();
     return t.item<double>();
   }
@@ -137,6 +126,8 @@ void Sharding::zero_grad() {
 
 ZeroOptimizer::ZeroOptimizer(Communicator& comm, std::vector<Group> groups, const GroupOptions& options)
     : Sharding(comm), options_(options) {
+  for (auto& g : groups)
+    if (!g.params.empty()) device_ = g.params[0].device();
   for (auto& g : groups) {
     groups_.push_back(std::make_unique<FlatGroup>(comm_, std::move(g.params), std::move(g.names),
                                                   std::move(g.optimizer), options_));

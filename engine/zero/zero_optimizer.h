@@ -77,6 +77,11 @@ class Sharding {
 
   Communicator& comm_;
 
+ protected:
+  // Where the gradients are (the engine's device): the norm's sums are reduced there, whatever
+  // device a partition's master weights and optimizer state live on (offload).
+  at::Device device_ = at::kCPU;
+
  private:
   std::string abandoned_;
   bool have_norm_ = false, clipped_ = false, overflow_ = false;
