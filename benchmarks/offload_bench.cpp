@@ -1,0 +1,178 @@
+// The offload manager's I/O against fio on the same directory, in one run: 4 GiB of partitions
+// written and read back through offload/io.h (io_uring, O_DIRECT) and by fio (ioengine=io_uring,
+// direct=1) at the same request size and queue depth, at 1 MiB and 128 KiB requests, in interleaved
+// rounds; ratios round by round (median and min–max).
+//
+//   build/bin/offload_bench [--dir D] [--gib G] [--queue_depth Q] [--rounds R] [--json PATH]
+//
+// D defaults to build/ (the disk the build is on); it needs G GiB free twice (zeal's file and
+// fio's), checked before anything is written. Not yet measured here: the optimizer step against its
+// I/O floor (NVMe offload of the step is still to come).
+#include <fcntl.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "benchmarks/rounds.h"
+#include "offload/io.h"
+
+namespace {
+
+using zeal::offload::AlignedBuffer;
+using zeal::offload::IoOptions;
+
+constexpr int64_t kPartition = 64 << 20;  // bytes per write or read call: one partition
+
+std::string run(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) throw std::runtime_error("cannot run: " + cmd);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int rc = pclose(p);
+  if (rc != 0) throw std::runtime_error(fmt::format("'{}' failed ({}): {}", cmd, rc, out.substr(0, 400)));
+  return out;
+}
+
+// fio's bandwidth in bytes per second for one job.
+double fio_bandwidth(const std::string& file, bool write, int64_t bs, int qd, int64_t bytes) {
+  const std::string out =
+      run(fmt::format("fio --name=zeal --filename={} --rw={} --bs={} --size={} --iodepth={} --ioengine=io_uring "
+                      "--direct=1 --numjobs=1 --group_reporting --output-format=json 2>&1",
+                      file, write ? "write" : "read", bs, bytes, qd));
+  const auto j = nlohmann::json::parse(out.substr(out.find('{')));
+  return j["jobs"][0][write ? "write" : "read"]["bw_bytes"].get<double>();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dir = std::string(ZEAL_BUILD_DIR), json_path;
+  int64_t gib = 4;
+  int qd = 16, rounds = 3;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto next = [&]() -> std::string {
+        if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+        return argv[++i];
+      };
+      if (a == "--dir") dir = next();
+      else if (a == "--gib") gib = std::stoll(next());
+      else if (a == "--queue_depth") qd = std::stoi(next());
+      else if (a == "--rounds") rounds = std::stoi(next());
+      else if (a == "--json") json_path = next();
+      else throw std::invalid_argument("unknown flag " + a);
+    }
+    if (gib < 1 || qd < 1 || rounds < 1) throw std::invalid_argument("--gib, --queue_depth and --rounds are ≥ 1");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "offload_bench: %s\nusage: offload_bench [--dir D] [--gib G] [--queue_depth Q] [--rounds R] "
+                         "[--json PATH]\n", e.what());
+    return 2;
+  }
+  try {
+    (void)run("fio --version");
+  } catch (const std::exception&) {
+    std::fprintf(stderr, "offload_bench: fio is not installed (scripts/setup installs it)\n");
+    return 1;
+  }
+  const int64_t bytes = gib << 30;
+  struct statvfs sv {};
+  if (statvfs(dir.c_str(), &sv) != 0) {
+    std::fprintf(stderr, "offload_bench: cannot read %s: %s\n", dir.c_str(), std::strerror(errno));
+    return 1;
+  }
+  const int64_t free_bytes = static_cast<int64_t>(sv.f_bavail) * static_cast<int64_t>(sv.f_frsize);
+  if (free_bytes < 2 * bytes + (1ll << 30)) {
+    std::fprintf(stderr, "offload_bench: %s has %.1f GiB free; %lld GiB twice and 1 GiB spare are needed\n", dir.c_str(),
+                 free_bytes / double(1 << 30), static_cast<long long>(gib));
+    return 1;
+  }
+  const std::string zfile = dir + "/offload_bench_zeal.dat", ffile = dir + "/offload_bench_fio.dat";
+  std::printf("offload_bench: %lld GiB in %lld-MiB partitions, queue depth %d, %d rounds, in %s (%.1f GiB free)\n",
+              static_cast<long long>(gib), static_cast<long long>(kPartition >> 20), qd, rounds, dir.c_str(),
+              free_bytes / double(1 << 30));
+  AlignedBuffer buf(kPartition);
+  std::mt19937_64 gen(5);
+  for (int64_t i = 0; i < kPartition / 8; ++i) reinterpret_cast<uint64_t*>(buf.data())[i] = gen();
+
+  zeal_bench::Environment env;
+  env.begin();
+  nlohmann::json out;
+  out["gib"] = gib;
+  out["queue_depth"] = qd;
+  out["rounds"] = rounds;
+  double worst_write = 1e9, worst_read = 1e9;
+  for (const int64_t bs : {int64_t{1} << 20, int64_t{128} << 10}) {
+    IoOptions o;
+    o.block_size = bs;
+    o.queue_depth = qd;
+    std::string why;
+    auto io = zeal::offload::make_io_engine(o, false, &why);
+    if (!why.empty()) std::printf("WARNING: %s; the thread pool is measured\n", why.c_str());
+    const int fd = ::open(zfile.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
+    if (fd < 0) {
+      std::fprintf(stderr, "offload_bench: cannot open %s with O_DIRECT: %s\n", zfile.c_str(), std::strerror(errno));
+      return 1;
+    }
+    auto zeal_pass = [&](bool write) {
+      return zeal_bench::seconds_of([&] {
+        for (int64_t off = 0; off < bytes; off += kPartition) {
+          if (write) io->write(fd, zfile, buf.data(), kPartition, off);
+          else io->read(fd, zfile, buf.data(), kPartition, off);
+        }
+      });
+    };
+    std::vector<zeal_bench::Contender> cs{
+        {"zeal write", [&] { return bytes / zeal_pass(true); }},
+        {"fio write", [&] { return fio_bandwidth(ffile, true, bs, qd, bytes); }},
+        {"zeal read", [&] { return bytes / zeal_pass(false); }},
+        {"fio read", [&] { return fio_bandwidth(ffile, false, bs, qd, bytes); }},
+    };
+    const auto s = zeal_bench::interleave(cs, rounds, 1, [&](int r) {
+      std::printf("  %lld KiB requests: round %d of %d done\n", static_cast<long long>(bs >> 10), r, rounds);
+      std::fflush(stdout);
+    });
+    ::close(fd);
+    const auto w = zeal_bench::ratio(s[0], s[1]), r = zeal_bench::ratio(s[2], s[3]);
+    worst_write = std::min(worst_write, w.median);
+    worst_read = std::min(worst_read, r.median);
+    const std::string key = fmt::format("{}k", bs >> 10);
+    std::printf("| %lld KiB | write: zeal %.2f GB/s (%.2f–%.2f), fio %.2f GB/s (%.2f–%.2f), ratio %s | read: zeal %.2f "
+                "GB/s (%.2f–%.2f), fio %.2f GB/s (%.2f–%.2f), ratio %s |\n",
+                static_cast<long long>(bs >> 10), s[0].median() / 1e9, s[0].min() / 1e9, s[0].max() / 1e9,
+                s[1].median() / 1e9, s[1].min() / 1e9, s[1].max() / 1e9, w.text().c_str(), s[2].median() / 1e9,
+                s[2].min() / 1e9, s[2].max() / 1e9, s[3].median() / 1e9, s[3].min() / 1e9, s[3].max() / 1e9,
+                r.text().c_str());
+    out[key] = {{"zeal_write_bytes_per_s", s[0].values}, {"fio_write_bytes_per_s", s[1].values},
+                {"zeal_read_bytes_per_s", s[2].values}, {"fio_read_bytes_per_s", s[3].values},
+                {"engine", io->kind()}};
+    zeal_bench::put_ratio(out[key], "write_ratio_vs_fio", w);
+    zeal_bench::put_ratio(out[key], "read_ratio_vs_fio", r);
+  }
+  env.end();
+  out["write_ratio_vs_fio"] = worst_write;  // the smaller of the two sizes'
+  out["read_ratio_vs_fio"] = worst_read;
+  out["environment"] = env.json();
+  std::printf("write_ratio_vs_fio %.3f, read_ratio_vs_fio %.3f (the smaller of the two request sizes; goal >= 1.0)\n",
+              worst_write, worst_read);
+  env.print();
+  std::filesystem::remove(zfile);
+  std::filesystem::remove(ffile);
+  if (!json_path.empty()) {
+    std::ofstream(json_path) << out.dump(2) << "\n";
+    std::printf("wrote %s\n", json_path.c_str());
+  }
+  return 0;
+}

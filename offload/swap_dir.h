@@ -1,0 +1,42 @@
+// Where a rank's offloaded state lives on disk: <nvme_path>/zeal-<run id>/rank<k>/, made at start,
+// removed on a normal exit (the run directory too once no rank's is left). A directory of a run
+// that did not end normally (its owner process is gone) is named at the next start, with its size,
+// so it can be removed; nothing is deleted behind the user's back. No LibTorch headers.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zeal::offload {
+
+class SwapDir {
+ public:
+  // nvme_path must exist and be writable; run_id is the same on every rank of the run.
+  SwapDir(const std::string& nvme_path, const std::string& run_id, int rank);
+  ~SwapDir();
+  SwapDir(const SwapDir&) = delete;
+  SwapDir& operator=(const SwapDir&) = delete;
+
+  const std::string& path() const { return path_; }
+  // Directories of earlier runs under nvme_path whose owner on this machine is gone, with their
+  // sizes: "/nvme/zeal-123-456 (1.5 GiB)".
+  const std::vector<std::string>& stale() const { return stale_; }
+  // Bytes free to this process on nvme_path's file system.
+  int64_t free_bytes() const;
+  // Throws zeal::Error naming the directory, the bytes needed and the bytes free when `bytes` do
+  // not fit.
+  void require(int64_t bytes, const std::string& what) const;
+  // Creates (truncates) `name` in the rank's directory for O_DIRECT I/O and returns its descriptor
+  // (closed by the caller). A file system without O_DIRECT (tmpfs) is named.
+  int open_file(const std::string& name) const;
+
+ private:
+  std::string root_, run_dir_, path_;
+  std::vector<std::string> stale_;
+};
+
+// "<seconds since the epoch>-<pid>": unique enough for the run directories of one machine.
+std::string new_run_id();
+
+}  // namespace zeal::offload
