@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   runners["env"] = zeal::cli::add_env_command(app);
   runners["launch"] = zeal::cli::add_launch_command(app);
   runners["test"] = zeal::cli::add_test_command(app);
+  runners["offload"] = zeal::cli::add_offload_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

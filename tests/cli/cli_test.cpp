@@ -30,7 +30,7 @@ class CliTest : public ::testing::Test {
 
 TEST_F(CliTest, EveryCommandHasHelp) {
   for (const char* cmd : {"--help", "config --help", "config validate --help", "config show --help",
-                          "config keys --help", "env --help"}) {
+                          "config keys --help", "env --help", "offload tune --help"}) {
     Result r = run_zeal(cmd);
     EXPECT_EQ(r.status, 0) << cmd << "\n" << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << cmd << "\n" << r.output;
@@ -178,4 +178,27 @@ TEST_F(CliTest, EnvReportsVersionsAndHardware) {
   Result bad = run_zeal("env", "ZEAL_CPU_ISA=sse9");
   EXPECT_NE(bad.output.find("invalid: ZEAL_CPU_ISA=sse9: expected scalar, avx2 or avx512"), std::string::npos)
       << bad.output;
+}
+
+// `zeal offload tune` measures the directory's disk over its grid and prints an aio section whose
+// values come from the settings it measured; it leaves nothing behind; a bad path is named.
+TEST_F(CliTest, OffloadTunePrintsTheAioSectionToPaste) {
+  Result r = run_zeal("offload tune --nvme_path " + dir_.string() + " --mib 8 --seconds 30");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const size_t aio = r.output.find("\naio:\n  block_size: ");
+  ASSERT_NE(aio, std::string::npos) << r.output;
+  const long long block = std::stoll(r.output.substr(aio + 20));
+  const size_t qd_at = r.output.find("  queue_depth: ", aio);
+  ASSERT_NE(qd_at, std::string::npos) << r.output;
+  const int depth = std::stoi(r.output.substr(qd_at + 15));
+  // The chosen pair is a measured row of the table.
+  EXPECT_NE(r.output.find("\n" + std::to_string(block) + std::string(12 - std::to_string(block).size(), ' ') + " " +
+                          std::to_string(depth)),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(block % 4096, 0);
+  EXPECT_TRUE(fs::is_empty(dir_)) << "the tuner left files in " << dir_;
+  Result bad = run_zeal("offload tune --nvme_path " + path("missing"));
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.output.find("nvme_path '" + path("missing") + "' is not a directory"), std::string::npos) << bad.output;
 }
