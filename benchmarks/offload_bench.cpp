@@ -5,8 +5,8 @@
 //
 //   build/bin/offload_bench [--dir D] [--gib G] [--queue_depth Q] [--rounds R] [--json PATH]
 //
-// D defaults to build/ (the disk the build is on); it needs G GiB free twice (zeal's file and
-// fio's), checked before anything is written. Not yet measured here: the optimizer step against its
+// D defaults to build/ (the disk the build is on); zeal and fio use one file there (the same extents
+// on the disk), so G GiB and 1 GiB spare must be free, checked before anything is written. Not yet measured here: the optimizer step against its
 // I/O floor (NVMe offload of the step is still to come).
 #include <fcntl.h>
 #include <sys/statvfs.h>
@@ -94,12 +94,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int64_t free_bytes = static_cast<int64_t>(sv.f_bavail) * static_cast<int64_t>(sv.f_frsize);
-  if (free_bytes < 2 * bytes + (1ll << 30)) {
-    std::fprintf(stderr, "offload_bench: %s has %.1f GiB free; %lld GiB twice and 1 GiB spare are needed\n", dir.c_str(),
+  if (free_bytes < bytes + (1ll << 30)) {
+    std::fprintf(stderr, "offload_bench: %s has %.1f GiB free; %lld GiB and 1 GiB spare are needed\n", dir.c_str(),
                  free_bytes / double(1 << 30), static_cast<long long>(gib));
     return 1;
   }
-  const std::string zfile = dir + "/offload_bench_zeal.dat", ffile = dir + "/offload_bench_fio.dat";
+  // One file for both: the same extents on the disk, so only the I/O engines differ.
+  const std::string zfile = dir + "/offload_bench.dat";
   std::printf("offload_bench: %lld GiB in %lld-MiB partitions, queue depth %d, %d rounds, in %s (%.1f GiB free)\n",
               static_cast<long long>(gib), static_cast<long long>(kPartition >> 20), qd, rounds, dir.c_str(),
               free_bytes / double(1 << 30));
@@ -136,9 +137,9 @@ int main(int argc, char** argv) {
     };
     std::vector<zeal_bench::Contender> cs{
         {"zeal write", [&] { return bytes / zeal_pass(true); }},
-        {"fio write", [&] { return fio_bandwidth(ffile, true, bs, qd, bytes); }},
+        {"fio write", [&] { return fio_bandwidth(zfile, true, bs, qd, bytes); }},
         {"zeal read", [&] { return bytes / zeal_pass(false); }},
-        {"fio read", [&] { return fio_bandwidth(ffile, false, bs, qd, bytes); }},
+        {"fio read", [&] { return fio_bandwidth(zfile, false, bs, qd, bytes); }},
     };
     const auto s = zeal_bench::interleave(cs, rounds, 1, [&](int r) {
       std::printf("  %lld KiB requests: round %d of %d done\n", static_cast<long long>(bs >> 10), r, rounds);
@@ -169,7 +170,6 @@ int main(int argc, char** argv) {
               worst_write, worst_read);
   env.print();
   std::filesystem::remove(zfile);
-  std::filesystem::remove(ffile);
   if (!json_path.empty()) {
     std::ofstream(json_path) << out.dump(2) << "\n";
     std::printf("wrote %s\n", json_path.c_str());
