@@ -10,6 +10,8 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <exception>
 #include <map>
@@ -24,9 +26,11 @@
 #include "engine/runtime/runtime.h"
 #include "engine/zero/host_memory.h"
 #include "engine/zero/init.h"
+#include "engine/zero/offload_state.h"
 #include "engine/zero/stage3.h"
 #include "engine/zero/zero_optimizer.h"
 #include "offload/host_arena.h"
+#include "offload/swap_dir.h"
 #include "kernels/cpu/adam.h"
 
 namespace zeal {
@@ -56,7 +60,8 @@ struct Engine::State {
   zero::InitReport init_report;
   bool init_done = false;
   CudaBackend cuda_backend = CudaBackend::kNccl;  // which communicator carries CUDA tensors
-  std::shared_ptr<offload::HostArena> offload;     // offload_optimizer.device cpu
+  std::shared_ptr<offload::HostArena> offload;     // offload_optimizer.device cpu or nvme
+  std::shared_ptr<zero::NvmeOffload> nvme;         // offload_optimizer.device nvme
 };
 
 namespace {
@@ -149,14 +154,11 @@ void Engine::init() {
 
   zero::keep_large_allocations_mapped();
 
-  // Offload to the CPU is here; to NVMe not yet (the config's own checks ran: stages, paths).
-  for (const auto& [key, device] : {std::pair{"zero_optimization.offload_optimizer.device", z.offload_optimizer.device},
-                                    std::pair{"zero_optimization.offload_param.device", z.offload_param.device}}) {
-    if (device == OffloadDevice::kNvme) {
-      throw Error(fmt::format("{}: nvme offload is not available in this version; cpu is (set the device to cpu, "
-                              "or to none)",
-                              key));
-    }
+  // Offload to the CPU is here, and the optimizer's to NVMe; parameters to NVMe not yet (the
+  // config's own checks ran: stages, paths).
+  if (z.offload_param.device == OffloadDevice::kNvme) {
+    throw Error("zero_optimization.offload_param.device: nvme offload of parameters is not available in this version; "
+                "cpu is, and offload_optimizer.device nvme is (set offload_param.device to cpu or none)");
   }
   // The world comes from the runtime; "auto" sizes that depend on the model's hidden size take
   // DeepSpeed's defaults here (the engine does not know the hidden size).
@@ -369,8 +371,40 @@ void Engine::build_zero() {
   }
   // offload_optimizer.device cpu: master weights and optimizer state in one host arena (pinned for
   // a GPU when pin_memory asks), the step on the CPU.
-  if (config_.zero.offload_optimizer.device == OffloadDevice::kCpu && !state_->offload) {
+  const OffloadDevice off = config_.zero.offload_optimizer.device;
+  if (off != OffloadDevice::kNone && !state_->offload) {
     state_->offload = std::make_shared<offload::HostArena>(device_.is_cuda() && config_.zero.offload_optimizer.pin_memory);
+  }
+  if (off == OffloadDevice::kNvme && !state_->nvme) {
+    // One run directory for every rank: rank 0 names it.
+    std::string run_id;
+    if (runtime_->rank() == 0) {
+      run_id = offload::new_run_id();
+      if (runtime_->world_size() > 1) runtime_->store_set("offload/run_id", run_id);
+    } else {
+      run_id = runtime_->store_get("offload/run_id");
+    }
+    auto nv = std::make_shared<zero::NvmeOffload>();
+    nv->dir = std::make_shared<offload::SwapDir>(config_.zero.offload_optimizer.nvme_path, run_id, runtime_->rank());
+    if (runtime_->local_rank() == 0) {
+      for (const auto& d : nv->dir->stale()) {
+        std::fprintf(stderr, "zeal: offload: %s was left by a run that did not finish; remove it\n", d.c_str());
+      }
+    }
+    offload::IoOptions io;
+    io.block_size = config_.aio.block_size;
+    io.queue_depth = static_cast<int>(config_.aio.queue_depth);
+    io.thread_count = static_cast<int>(config_.aio.thread_count);
+    io.single_submit = config_.aio.single_submit;
+    io.overlap_events = config_.aio.overlap_events;
+    std::string why;
+    nv->io = offload::make_io_engine(io, std::getenv("ZEAL_OFFLOAD_IO") && std::string(std::getenv("ZEAL_OFFLOAD_IO")) == "threads", &why);
+    if (!why.empty() && runtime_->local_rank() == 0) {
+      std::fprintf(stderr, "zeal: offload: %s; reading and writing through %d threads instead\n", why.c_str(),
+                   io.thread_count);
+    }
+    nv->sub_group_elems = config_.zero.sub_group_size;
+    state_->nvme = nv;
   }
   if (stage3) {
     zero::Stage3Options o3;
@@ -384,6 +418,7 @@ void Engine::build_zero() {
     o3.max_reuse_elems = config_.zero.stage3_max_reuse_distance;
     o3.device = device_;
     o3.offload = state_->offload;
+    o3.nvme = state_->nvme;
     std::vector<zero::Stage3::Group> g3;
     for (auto& g : groups) g3.push_back({std::move(g.params), std::move(g.names), std::move(g.optimizer)});
     state_->zero = std::make_unique<zero::Stage3>(c, module, std::move(g3), o3, state_->init_shards);
@@ -741,6 +776,9 @@ MemoryReport Engine::memory() const {
   if (state_->offload) {
     m.offload_host = state_->offload->bytes();
     m.offload_host_peak = state_->offload->peak();
+  }
+  if (state_->zero) {
+    m.offload_disk = state_->zero->offload_disk_bytes();
   }
   if (state_->init_done) {
     m.construction_peak = state_->init_report.peak;

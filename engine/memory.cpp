@@ -21,6 +21,7 @@ std::string MemoryReport::summary() const {
                               format_bytes(optimizer_states), format_bytes(model_states()), format_bytes(frozen_params),
                               format_bytes(buffers), format_bytes(workspace));
   if (offload_host > 0) s += fmt::format("; offloaded to host memory {}", format_bytes(offload_host));
+  if (offload_disk > 0) s += fmt::format(", to disk {}", format_bytes(offload_disk));
   return s;
 }
 

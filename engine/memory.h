@@ -26,6 +26,8 @@ struct MemoryReport {
   // weights, optimizer state and the step's two buffers, already counted above where they are
   // model states) and the most it held.
   int64_t offload_host = 0, offload_host_peak = 0;
+  // offload_optimizer.device nvme: bytes of optimizer state (master, m, v) in the swap files.
+  int64_t offload_disk = 0;
   int64_t model_states() const { return params + grads + master + optimizer_states; }
   int64_t total() const { return model_states() + frozen_params + buffers + workspace; }
   // "params 1.2 MiB, grads …" on one line.

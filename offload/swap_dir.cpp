@@ -122,4 +122,15 @@ int SwapDir::open_file(const std::string& name) const {
   throw Error(fmt::format("offload: cannot create {}: {}", p, std::strerror(errno)));
 }
 
+SwapFile::SwapFile(std::shared_ptr<SwapDir> dir, std::shared_ptr<IoEngine> io, const std::string& name)
+    : dir_(std::move(dir)), io_(std::move(io)), path_((fs::path(dir_->path()) / name).string()) {
+  fd_ = dir_->open_file(name);
+}
+
+SwapFile::~SwapFile() {
+  if (fd_ >= 0) ::close(fd_);
+  std::error_code ec;
+  fs::remove(path_, ec);
+}
+
 }  // namespace zeal::offload

@@ -5,8 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "offload/io.h"
 
 namespace zeal::offload {
 
@@ -34,6 +37,26 @@ class SwapDir {
  private:
   std::string root_, run_dir_, path_;
   std::vector<std::string> stale_;
+};
+
+// One swap file in a rank's directory, read and written through an I/O engine; closed and removed
+// when it goes.
+class SwapFile {
+ public:
+  SwapFile(std::shared_ptr<SwapDir> dir, std::shared_ptr<IoEngine> io, const std::string& name);
+  ~SwapFile();
+  SwapFile(const SwapFile&) = delete;
+  SwapFile& operator=(const SwapFile&) = delete;
+  void write(const void* buf, int64_t bytes, int64_t offset) { io_->write(fd_, path_, buf, bytes, offset); }
+  void read(void* buf, int64_t bytes, int64_t offset) { io_->read(fd_, path_, buf, bytes, offset); }
+  const std::string& path() const { return path_; }
+  SwapDir& dir() { return *dir_; }
+
+ private:
+  std::shared_ptr<SwapDir> dir_;
+  std::shared_ptr<IoEngine> io_;
+  std::string path_;
+  int fd_ = -1;
 };
 
 // "<seconds since the epoch>-<pid>": unique enough for the run directories of one machine.

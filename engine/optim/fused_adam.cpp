@@ -35,10 +35,14 @@ class FusedAdam final : public AdamState {
     fused_step(params, {all}, 1.0);
   }
 
-  void fused_update(int64_t n, at::Device device, const std::vector<FusedSegment>& segments,
-                    double grad_scale) override {
-    ensure_state(n, at::TensorOptions().dtype(at::kFloat).device(device));
-    ++steps_;
+  void fused_update(int64_t n, at::Device device, const std::vector<FusedSegment>& segments, double grad_scale,
+                    bool new_step = true) override {
+    // State outside the optimizer (NVMe windows, every segment carrying m and v): none is
+    // allocated here.
+    bool own_state = false;
+    for (const FusedSegment& s : segments) own_state = own_state || !s.m || !s.v;
+    if (own_state) ensure_state(n, at::TensorOptions().dtype(at::kFloat).device(device));
+    if (new_step) ++steps_;
     cpu::AdamHyper h;
     h.lr = hyper_.lr;
     h.beta1 = hyper_.beta1;
@@ -58,8 +62,8 @@ class FusedAdam final : public AdamState {
       if (s.n == 0) continue;
       cpu::AdamPartition p;
       p.master = s.master;
-      p.m = exp_avg_.data_ptr<float>() + s.offset;
-      p.v = exp_avg_sq_.data_ptr<float>() + s.offset;
+      p.m = s.m ? s.m : exp_avg_.data_ptr<float>() + s.offset;
+      p.v = s.v ? s.v : exp_avg_sq_.data_ptr<float>() + s.offset;
       p.grad = s.grad;
       p.grad_type = s.grad_type;
       p.copy = s.copy;

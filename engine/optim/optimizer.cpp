@@ -119,7 +119,7 @@ void Optimizer::fused_step(const at::Tensor& params, std::vector<FusedSegment> s
   fused_update(params.numel(), params.device(), segments, grad_scale);
 }
 
-void Optimizer::fused_update(int64_t, at::Device, const std::vector<FusedSegment>&, double) {
+void Optimizer::fused_update(int64_t, at::Device, const std::vector<FusedSegment>&, double, bool) {
   throw Error(fmt::format("{} has no fused step", name()));
 }
 

@@ -48,6 +48,10 @@ struct FusedSegment {
   cpu::DType grad_type = cpu::DType::kFp32;
   void* copy = nullptr;
   cpu::DType copy_type = cpu::DType::kBf16;
+  // The optimizer state of these elements when it lives outside the optimizer (NVMe offload: a
+  // window read from disk); null: the optimizer's own state at `offset`.
+  float* m = nullptr;
+  float* v = nullptr;
 };
 
 class Optimizer {
@@ -79,8 +83,10 @@ class Optimizer {
   // The same over a partition of `n` elements on `device` whose master weights lie wherever each
   // segment's `master` points (every one set): the compute-precision parameters themselves when
   // they are fp32, so no separate master copy is kept.
+  // new_step: this call begins an optimizer step (false for the later windows of a step that is
+  // applied window by window, every segment then carrying its own m and v).
   virtual void fused_update(int64_t n, at::Device device, const std::vector<FusedSegment>& segments,
-                            double grad_scale);
+                            double grad_scale, bool new_step = true);
 
   // Where allocate_state puts the state tensors (the offload manager's host memory); at::zeros on
   // the given options by default. Set before allocate_state.

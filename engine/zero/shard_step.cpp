@@ -185,6 +185,91 @@ void ShardStep::offload_to(std::shared_ptr<offload::HostArena> arena) {
   fused_ = optimizer_->fused();  // the CPU kernels now, whatever the device
 }
 
+namespace {
+int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+}  // namespace
+
+void ShardStep::offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::shared_ptr<offload::SwapFile> file,
+                                int64_t window) {
+  ZEAL_CHECK(!arena_ && !swap_) << "a partition offloaded twice";
+  ZEAL_CHECK(master_.defined()) << "an offloaded partition keeps its master weights apart from the parameters";
+  if (!optimizer_->fused()) {
+    throw Error(fmt::format("offload_optimizer.device nvme: {} has no fused step; NVMe offload updates Adam or AdamW "
+                            "window by window",
+                            optimizer_->name()));
+  }
+  c10::NoGradGuard no_grad;
+  arena_ = std::move(arena);
+  swap_ = std::move(file);
+  constexpr int64_t kAlignElems = offload::kIoAlign / 4;
+  window_ = round_up(std::max<int64_t>(1, std::min(window, total_)), kAlignElems);
+  region_bytes_ = round_up(total_ * 4, offload::kIoAlign);
+  swap_->dir().require(3 * region_bytes_, "the optimizer state offloaded to nvme");
+  win_master_ = arena_tensor(arena_, window_, at::kFloat);
+  win_m_ = arena_tensor(arena_, window_, at::kFloat);
+  win_v_ = arena_tensor(arena_, window_, at::kFloat);
+  host_grad_ = arena_tensor(arena_, window_, at::kFloat);
+  const at::ScalarType out_type = pieces_.empty() ? at::kFloat : pieces_[0].out.scalar_type();
+  host_out_ = arena_tensor(arena_, window_, out_type);
+  // The master as it is, m and v zero (the state's start), window by window.
+  for (int64_t a = 0; a < total_; a += window_) {
+    const int64_t len = std::min(window_, total_ - a), io_bytes = round_up(len * 4, offload::kIoAlign);
+    win_master_.zero_();
+    win_master_.narrow(0, 0, len).copy_(master_.narrow(0, a, len));
+    swap_->write(win_master_.data_ptr(), io_bytes, a * 4);
+    swap_->write(win_m_.data_ptr(), io_bytes, region_bytes_ + a * 4);
+    swap_->write(win_v_.data_ptr(), io_bytes, 2 * region_bytes_ + a * 4);
+  }
+  master_ = at::Tensor();
+  fused_ = true;
+}
+
+void ShardStep::apply_nvme(double inv_scale) {
+  double scale = 1.0;
+  if (!grad32_ready_) scale = inv_scale * pending_scale_;
+  const auto out_type = kernel_dtype(host_out_.scalar_type());
+  const int64_t out_size = static_cast<int64_t>(host_out_.element_size());
+  for (int64_t a = 0; a < total_; a += window_) {
+    const int64_t len = std::min(window_, total_ - a), io_bytes = round_up(len * 4, offload::kIoAlign);
+    swap_->read(win_master_.data_ptr(), io_bytes, a * 4);
+    swap_->read(win_m_.data_ptr(), io_bytes, region_bytes_ + a * 4);
+    swap_->read(win_v_.data_ptr(), io_bytes, 2 * region_bytes_ + a * 4);
+    std::vector<optim::FusedSegment> segments;
+    struct Back {
+      const Piece* piece;
+      int64_t lo, n;
+    };
+    std::vector<Back> back;
+    for (const Piece& p : pieces_) {
+      const int64_t lo = std::max(a, p.offset), hi = std::min(a + len, p.offset + p.grad.numel());
+      if (lo >= hi) continue;
+      const int64_t n = hi - lo;
+      host_grad_.narrow(0, lo - a, n)
+          .copy_(grad32_ready_ ? grad32_.narrow(0, lo, n) : p.grad.narrow(0, lo - p.offset, n));
+      optim::FusedSegment seg;
+      seg.offset = lo;
+      seg.n = n;
+      seg.grad = host_grad_.data_ptr<float>() + (lo - a);
+      seg.grad_type = cpu::DType::kFp32;
+      seg.master = win_master_.data_ptr<float>() + (lo - a);
+      seg.m = win_m_.data_ptr<float>() + (lo - a);
+      seg.v = win_v_.data_ptr<float>() + (lo - a);
+      seg.copy = static_cast<char*>(host_out_.data_ptr()) + (lo - a) * out_size;
+      seg.copy_type = out_type;
+      segments.push_back(seg);
+      back.push_back({&p, lo, n});
+    }
+    // One optimizer step over all windows: the step count advances with the first.
+    optimizer_->fused_update(total_, at::kCPU, segments, scale, /*new_step=*/a == 0);
+    for (const Back& b : back) b.piece->out.narrow(0, b.lo - b.piece->offset, b.n).copy_(host_out_.narrow(0, b.lo - a, b.n));
+    swap_->write(win_master_.data_ptr(), io_bytes, a * 4);
+    swap_->write(win_m_.data_ptr(), io_bytes, region_bytes_ + a * 4);
+    swap_->write(win_v_.data_ptr(), io_bytes, 2 * region_bytes_ + a * 4);
+  }
+  if (!grad32_.is_same(alias_)) grad32_ = alias_;
+  grad32_ready_ = false;
+}
+
 void ShardStep::apply_offloaded(double lr, double inv_scale) {
   (void)lr;  // set on the optimizer by apply()
   // The gradients into the host buffer (from the device on a GPU), as the step without offload
@@ -229,6 +314,7 @@ void ShardStep::apply(double lr, double inv_scale) {
   c10::NoGradGuard no_grad;
   optimizer_->set_lr(lr);
   if (total_ == 0) return;
+  if (swap_) return apply_nvme(inv_scale);
   if (arena_) return apply_offloaded(lr, inv_scale);
   if (!fused_) {
     optimizer_->step(master_, fp32_grads(inv_scale));
@@ -268,6 +354,10 @@ void ShardStep::reset() {
 
 void ShardStep::refresh_master(size_t k) {
   c10::NoGradGuard no_grad;
+  if (swap_) {
+    throw Error("engine.gathered with a modifier rank: the master weights are offloaded to nvme, where they cannot be "
+                "changed from outside the step");
+  }
   const Piece& p = pieces_.at(k);
   if (aliased()) return;  // the parameters are the master weights
   master_.narrow(0, p.offset, p.out.numel()).copy_(p.out);

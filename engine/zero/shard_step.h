@@ -17,6 +17,7 @@
 
 #include "engine/optim/optimizer.h"
 #include "offload/host_arena.h"
+#include "offload/swap_dir.h"
 #include "kernels/cpu/adam.h"
 
 namespace zeal::zero {
@@ -61,6 +62,15 @@ class ShardStep {
   // first step.
   void offload_to(std::shared_ptr<offload::HostArena> arena);
   bool offloaded() const { return arena_ != nullptr; }
+  // NVMe offload (instead of offload_to): the master (a separate tensor) and the optimizer state
+  // (fused Adam) move into `file`, [master | m | v], and the step runs window by window of
+  // `window` elements (sub_group_size): read the window's master, m and v, update them with its
+  // gradients, write them back. Host memory: five window buffers in the arena. Bit-identical to
+  // the step without offload.
+  void offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::shared_ptr<offload::SwapFile> file,
+                       int64_t window);
+  // Bytes of this partition's state on disk (NVMe offload), else 0.
+  int64_t disk_bytes() const { return swap_ ? 3 * region_bytes_ : 0; }
   // Multiplies the gradients by c: deferred into the update's multiplier when possible.
   void scale(double c);
   // The unscaled gradients as one fp32 tensor laid out like the master, to modify in place; made
@@ -78,7 +88,7 @@ class ShardStep {
   // The separate master partition (undefined when the parameters are their own master) and its bytes.
   const at::Tensor& master() const { return master_; }
   int64_t master_bytes() const { return master_.defined() ? master_.nbytes() : 0; }
-  bool aliased() const { return !master_.defined(); }
+  bool aliased() const { return !master_.defined() && !swap_; }
   optim::Optimizer& optimizer() { return *optimizer_; }
   const optim::Optimizer& optimizer() const { return *optimizer_; }
   bool fused() const { return fused_; }
@@ -90,6 +100,11 @@ class ShardStep {
   std::vector<at::Tensor> current_grads(double inv_scale, double* scale) const;
 
   void apply_offloaded(double lr, double inv_scale);
+  void apply_nvme(double inv_scale);
+
+  std::shared_ptr<offload::SwapFile> swap_;  // NVMe offload
+  int64_t window_ = 0, region_bytes_ = 0;
+  at::Tensor win_master_, win_m_, win_v_;
 
   std::shared_ptr<offload::HostArena> arena_;
   at::Tensor host_grad_, host_out_;  // offload: the step's buffers in the arena

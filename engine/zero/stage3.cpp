@@ -197,7 +197,14 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
     masters[g].clear();
     if (!opts_.offload) groups[g].optimizer->allocate_state(master_size[g], fp32);
     steps_.emplace_back(std::move(master), std::move(groups[g].optimizer), std::move(pieces[g]));
-    if (opts_.offload) steps_.back().offload_to(opts_.offload);
+    if (opts_.nvme) {
+      steps_.back().offload_to_nvme(opts_.offload,
+                                    std::make_shared<offload::SwapFile>(opts_.nvme->dir, opts_.nvme->io,
+                                                                        "optimizer_group" + std::to_string(g) + ".swp"),
+                                    opts_.nvme->sub_group_elems);
+    } else if (opts_.offload) {
+      steps_.back().offload_to(opts_.offload);
+    }
   }
   for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i)
     if (units_[i]->has_trainable()) reduce_order_.push_back(i);

@@ -36,6 +36,7 @@
 #include "engine/zero/fetch_coordinator.h"
 #include "engine/zero/grad_hook.h"
 #include "engine/zero/init.h"
+#include "engine/zero/offload_state.h"
 #include "engine/zero/shard_step.h"
 #include "engine/zero/unit.h"
 #include "engine/zero/zero_optimizer.h"
@@ -65,6 +66,8 @@ struct Stage3Options {
   at::Device device = at::kCPU;
   // offload_optimizer.device cpu: the master weights and optimizer state in this host arena.
   std::shared_ptr<offload::HostArena> offload;
+  // offload_optimizer.device nvme (with `offload` for the window buffers): the state on disk.
+  std::shared_ptr<NvmeOffload> nvme;
 };
 
 // What a Sharded member and the autograd nodes reach: cleared when Stage3 goes, so a graph or a

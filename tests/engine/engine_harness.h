@@ -50,6 +50,8 @@ struct RunSpec {
   uint64_t seed = 7;
   std::string isa;  // ZEAL_CPU_ISA in the ranks (empty: unset)
   bool offload = false;  // offload_optimizer.device cpu (and offload_param.device cpu in stage 3)
+  std::string nvme_path;           // offload_optimizer.device nvme there (stage 3)
+  int64_t sub_group = 1'000'000'000;  // sub_group_size
   // fp16 loss scaling
   int64_t initial_scale_power = 16, loss_scale_window = 1000, hysteresis = 2;
 };
@@ -138,6 +140,11 @@ inline zeal::Config make_config(const RunSpec& s) {
     c.zero.offload_optimizer.device = zeal::OffloadDevice::kCpu;
     if (s.stage == 3) c.zero.offload_param.device = zeal::OffloadDevice::kCpu;
   }
+  if (!s.nvme_path.empty()) {
+    c.zero.offload_optimizer.device = zeal::OffloadDevice::kNvme;
+    c.zero.offload_optimizer.nvme_path = s.nvme_path;
+  }
+  c.zero.sub_group_size = s.sub_group;
   return c;
 }
 
@@ -236,7 +243,7 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
                                               double(mem.optimizer_states), double(mem.frozen_params),
                                               double(engine.num_trainable_parameters()), double(fetches.gathers),
                                               double(fetches.prefetched), double(fetches.retraced),
-                                              double(mem.offload_host)},
+                                              double(mem.offload_host), double(mem.offload_disk)},
                           at::kDouble));
   if (engine.is_main_process()) {
     write_tensor(dir + "/losses", at::tensor(losses, at::kDouble));
