@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <exception>
+#include <filesystem>
 #include <map>
 #include <unordered_map>
 
@@ -62,6 +63,10 @@ struct Engine::State {
   CudaBackend cuda_backend = CudaBackend::kNccl;  // which communicator carries CUDA tensors
   std::shared_ptr<offload::HostArena> offload;     // offload_optimizer.device cpu or nvme
   std::shared_ptr<zero::NvmeOffload> nvme;         // offload_optimizer.device nvme
+  std::shared_ptr<zero::ParamSwap> param_swap;     // offload_param.device nvme
+  std::shared_ptr<offload::IoEngine> io;           // either on nvme
+  std::map<std::string, std::shared_ptr<offload::SwapDir>> swap_dirs;  // by nvme_path
+  std::string run_id;
 };
 
 namespace {
@@ -154,12 +159,6 @@ void Engine::init() {
 
   zero::keep_large_allocations_mapped();
 
-  // Offload to the CPU is here, and the optimizer's to NVMe; parameters to NVMe not yet (the
-  // config's own checks ran: stages, paths).
-  if (z.offload_param.device == OffloadDevice::kNvme) {
-    throw Error("zero_optimization.offload_param.device: nvme offload of parameters is not available in this version; "
-                "cpu is, and offload_optimizer.device nvme is (set offload_param.device to cpu or none)");
-  }
   // The world comes from the runtime; "auto" sizes that depend on the model's hidden size take
   // DeepSpeed's defaults here (the engine does not know the hidden size).
   config_.launch.num_processes = runtime_->world_size();
@@ -375,21 +374,14 @@ void Engine::build_zero() {
   if (off != OffloadDevice::kNone && !state_->offload) {
     state_->offload = std::make_shared<offload::HostArena>(device_.is_cuda() && config_.zero.offload_optimizer.pin_memory);
   }
-  if (off == OffloadDevice::kNvme && !state_->nvme) {
+  const bool param_nvme = stage3 && config_.zero.offload_param.device == OffloadDevice::kNvme;
+  if ((off == OffloadDevice::kNvme || param_nvme) && !state_->io) {
     // One run directory for every rank: rank 0 names it.
-    std::string run_id;
     if (runtime_->rank() == 0) {
-      run_id = offload::new_run_id();
-      if (runtime_->world_size() > 1) runtime_->store_set("offload/run_id", run_id);
+      state_->run_id = offload::new_run_id();
+      if (runtime_->world_size() > 1) runtime_->store_set("offload/run_id", state_->run_id);
     } else {
-      run_id = runtime_->store_get("offload/run_id");
-    }
-    auto nv = std::make_shared<zero::NvmeOffload>();
-    nv->dir = std::make_shared<offload::SwapDir>(config_.zero.offload_optimizer.nvme_path, run_id, runtime_->rank());
-    if (runtime_->local_rank() == 0) {
-      for (const auto& d : nv->dir->stale()) {
-        std::fprintf(stderr, "zeal: offload: %s was left by a run that did not finish; remove it\n", d.c_str());
-      }
+      state_->run_id = runtime_->store_get("offload/run_id");
     }
     offload::IoOptions io;
     io.block_size = config_.aio.block_size;
@@ -398,13 +390,37 @@ void Engine::build_zero() {
     io.single_submit = config_.aio.single_submit;
     io.overlap_events = config_.aio.overlap_events;
     std::string why;
-    nv->io = offload::make_io_engine(io, std::getenv("ZEAL_OFFLOAD_IO") && std::string(std::getenv("ZEAL_OFFLOAD_IO")) == "threads", &why);
+    state_->io = offload::make_io_engine(io, std::getenv("ZEAL_OFFLOAD_IO") && std::string(std::getenv("ZEAL_OFFLOAD_IO")) == "threads", &why);
     if (!why.empty() && runtime_->local_rank() == 0) {
       std::fprintf(stderr, "zeal: offload: %s; reading and writing through %d threads instead\n", why.c_str(),
                    io.thread_count);
     }
+  }
+  // The rank's swap directory under an nvme_path: one per path (the optimizer's and the
+  // parameters' may be the same directory or two).
+  auto swap_dir = [&](const std::string& nvme_path) {
+    std::error_code ec;
+    const std::string key = std::filesystem::weakly_canonical(nvme_path, ec).string();
+    auto& dir = state_->swap_dirs[ec ? nvme_path : key];
+    if (!dir) {
+      dir = std::make_shared<offload::SwapDir>(nvme_path, state_->run_id, runtime_->rank());
+      if (runtime_->local_rank() == 0) {
+        for (const auto& d : dir->stale()) {
+          std::fprintf(stderr, "zeal: offload: %s was left by a run that did not finish; remove it\n", d.c_str());
+        }
+      }
+    }
+    return dir;
+  };
+  if (off == OffloadDevice::kNvme && !state_->nvme) {
+    auto nv = std::make_shared<zero::NvmeOffload>();
+    nv->dir = swap_dir(config_.zero.offload_optimizer.nvme_path);
+    nv->io = state_->io;
     nv->sub_group_elems = config_.zero.sub_group_size;
     state_->nvme = nv;
+  }
+  if (param_nvme && !state_->param_swap) {
+    state_->param_swap = std::make_shared<zero::ParamSwap>(swap_dir(config_.zero.offload_param.nvme_path), state_->io);
   }
   if (stage3) {
     zero::Stage3Options o3;
@@ -419,6 +435,7 @@ void Engine::build_zero() {
     o3.device = device_;
     o3.offload = state_->offload;
     o3.nvme = state_->nvme;
+    o3.param_swap = state_->param_swap;
     std::vector<zero::Stage3::Group> g3;
     for (auto& g : groups) g3.push_back({std::move(g.params), std::move(g.names), std::move(g.optimizer)});
     state_->zero = std::make_unique<zero::Stage3>(c, module, std::move(g3), o3, state_->init_shards);

@@ -10,6 +10,7 @@
 #include <malloc.h>
 #endif
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -35,7 +36,7 @@ struct Mapping {
 
 c10::DataPtr map_bytes(size_t bytes, at::Device device) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) throw Error(fmt::format("cannot map {} bytes for a gathered unit or gradient staging", bytes));
+  if (p == MAP_FAILED) throw Error(fmt::format("cannot map {} bytes of host memory (a gathered unit, gradient staging or a shard read from disk)", bytes));
   return {p, new Mapping{p, bytes}, &Mapping::unmap, device};
 }
 
@@ -48,6 +49,15 @@ void alloc_storage(const at::Tensor& t) {
   c10::OptionalDeviceGuard on(t.device().is_cpu() ? std::nullopt : std::optional<c10::Device>(t.device()));
   s->set_data_ptr_noswap(t.device().is_cpu() && bytes >= kMapBytes ? map_bytes(bytes, t.device())
                                                                    : s->allocator()->allocate(bytes));
+  s->set_nbytes(bytes);
+}
+
+void alloc_storage_mapped(const at::Tensor& t) {
+  if (!t.device().is_cpu()) return alloc_storage(t);
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (s->nbytes() == bytes) return;
+  s->set_data_ptr_noswap(map_bytes(std::max<size_t>(bytes, 1), t.device()));
   s->set_nbytes(bytes);
 }
 

@@ -14,6 +14,9 @@ namespace zeal::zero {
 
 // Gives `t`'s storage its bytes again (after free_storage); a no-op when it has them.
 void alloc_storage(const at::Tensor& t);
+// The same, always mapped on the CPU (page-aligned, whole pages: a buffer O_DIRECT can read into,
+// rounded up to 4 KiB); elsewhere as alloc_storage.
+void alloc_storage_mapped(const at::Tensor& t);
 // Frees `t`'s storage, keeping its shape, dtype and every view of it.
 void free_storage(const at::Tensor& t);
 // n zeros with options `o`, mapped on the CPU from a MiB up (fresh mappings are zero already).

@@ -2,6 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
+
+#include "engine/zero/host_memory.h"
+
 namespace zeal::zero {
 
 at::Tensor arena_tensor(const std::shared_ptr<offload::HostArena>& arena, int64_t n, at::ScalarType dtype) {
@@ -9,6 +13,44 @@ at::Tensor arena_tensor(const std::shared_ptr<offload::HostArena>& arena, int64_
   void* p = arena->allocate(bytes);
   return at::from_blob(
       p, {n}, [arena, bytes](void* q) { arena->release(q, bytes); }, at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+namespace {
+int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+}  // namespace
+
+ParamSwap::ParamSwap(std::shared_ptr<offload::SwapDir> dir, std::shared_ptr<offload::IoEngine> io)
+    : file_(std::move(dir), std::move(io), "parameters.swp") {}
+
+int64_t ParamSwap::reserve(int64_t bytes) {
+  const int64_t at = end_;
+  end_ += round_up(std::max<int64_t>(bytes, 1), offload::kIoAlign);
+  return at;
+}
+
+void ParamSwap::store(const at::Tensor& t, int64_t offset) {
+  const int64_t bytes = t.numel() * t.element_size();
+  offload::AlignedBuffer buf(bytes);  // whole 4 KiB blocks, the tail zero
+  if (t.device().is_cpu()) {
+    std::memcpy(buf.data(), t.data_ptr(), static_cast<size_t>(bytes));
+  } else {
+    at::from_blob(buf.data(), {t.numel()}, t.options().device(at::kCPU)).copy_(t);
+  }
+  file_.write(buf.data(), buf.size(), offset);
+}
+
+void ParamSwap::load(const at::Tensor& t, int64_t offset) {
+  const int64_t bytes = t.numel() * t.element_size();
+  if (t.device().is_cpu()) {
+    free_storage(t);
+    alloc_storage_mapped(t);  // page-aligned whole pages: read straight into the shard
+    file_.read(t.data_ptr(), round_up(bytes, offload::kIoAlign), offset);
+    return;
+  }
+  offload::AlignedBuffer buf(bytes);
+  file_.read(buf.data(), buf.size(), offset);
+  alloc_storage(t);
+  t.copy_(at::from_blob(buf.data(), {t.numel()}, t.options().device(at::kCPU)));
 }
 
 }  // namespace zeal::zero

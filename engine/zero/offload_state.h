@@ -25,4 +25,25 @@ struct NvmeOffload {
   int64_t sub_group_elems = 1'000'000'000;  // sub_group_size: elements updated per window
 };
 
+// offload_param.device nvme (stage 3): the shards of the units that are not persistent live in one
+// swap file per rank, each part's shard in its own 4 KiB-aligned region, written once when the
+// unit is built and after every optimizer step, read back when the unit is gathered (its prefetch
+// included, so along the fetch coordinator's recorded order) and freed once its all-gather is done.
+class ParamSwap {
+ public:
+  ParamSwap(std::shared_ptr<offload::SwapDir> dir, std::shared_ptr<offload::IoEngine> io);
+  // A region of `bytes` (rounded up to 4 KiB) at the end of the file; returns its offset.
+  int64_t reserve(int64_t bytes);
+  // Writes t's bytes (a contiguous tensor with storage, on any device) at `offset`.
+  void store(const at::Tensor& t, int64_t offset);
+  // Gives t's storage its bytes again and reads them from `offset`.
+  void load(const at::Tensor& t, int64_t offset);
+  int64_t disk_bytes() const { return end_; }
+  offload::SwapDir& dir() { return file_.dir(); }
+
+ private:
+  offload::SwapFile file_;
+  int64_t end_ = 0;
+};
+
 }  // namespace zeal::zero

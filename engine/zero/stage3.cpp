@@ -143,7 +143,23 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
   // fp32 parameters are their own master weights (no copy) when the group's optimizer is fused.
   std::vector<bool> alias_master(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    alias_master[g] = !opts_.offload && ShardStep::can_alias(*groups[g].optimizer, opts_.compute_dtype, opts_.device);
+    alias_master[g] = !opts_.offload && !opts_.param_swap &&
+                      ShardStep::can_alias(*groups[g].optimizer, opts_.compute_dtype, opts_.device);
+  }
+  if (opts_.param_swap) {
+    // The shards that will go to disk, before anything is written: a shortfall is named now.
+    int64_t need = 0;
+    for (size_t i = 1; i < units_.size(); ++i) {
+      int64_t n = 0, esize = c10::elementSize(opts_.compute_dtype);
+      for (const Unit::Part* part : {&units_[i]->train_, &units_[i]->frozen_}) {
+        for (const auto& p : part->params) {
+          n += p.numel();
+          esize = std::max<int64_t>(esize, p.element_size());
+        }
+      }
+      if (n > opts_.persistence_threshold) need += (n + comm_.world_size() - 1) / comm_.world_size() * esize + 2 * 4096;
+    }
+    opts_.param_swap->dir().require(need, "the parameters offloaded to nvme (offload_param)");
   }
   int64_t persistent_bytes = 0;
   for (auto& u : units_) {
@@ -186,6 +202,7 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
     if (u->persistent_) persistent_bytes += u->gathered_bytes();
     fetch_->add_gathered(u->gathered_bytes());
     u->release();
+    if (opts_.param_swap && !u->persistent_) u->shards_to_disk();
   }
   root_released_in_step_ = units_[0]->numel() > opts_.persistence_threshold;
   fetch_->set_persistent_bytes(persistent_bytes);
@@ -331,7 +348,12 @@ void Stage3::apply(double inv_scale, const std::vector<double>& lrs) {
     root.release();
     root.persistent_ = true;
   }
+  // offload_param nvme: the trainable shards the step writes come back from disk for it, and go
+  // back to disk before anything reads them again.
+  for (auto& u : units_) u->load_shards(/*trainable_only=*/true);
   for (size_t g = 0; g < steps_.size(); ++g) steps_[g].apply(lrs.at(g), inv_scale);  // writes every unit's shard
+  for (auto& u : units_)
+    if (u->shards_on_disk()) u->store_shards(/*trainable_only=*/true);
   // Units that stay gathered take their new values now; the others at their next fetch.
   CollectiveLabel label(comm_, "after step");
   for (auto& u : units_) {
@@ -347,6 +369,8 @@ void Stage3::apply(double inv_scale, const std::vector<double>& lrs) {
       u->train_.full.copy_(u->train_.shard);
     }
   }
+  for (auto& u : units_)
+    if (u->shards_on_disk() && u->pending_.empty()) u->drop_shards();
 }
 
 void Stage3::clear_grads() {
@@ -383,6 +407,7 @@ void Stage3::release_units(const std::vector<int>& units, int modifier_rank) {
     Unit& u = *units_[i];
     if (modifier_rank >= 0) {
       CollectiveLabel label(comm_, fmt::format("{}, gathered modified by rank {}", u.name(), modifier_rank));
+      u.load_shards();  // offload_param nvme: the shards the new values go into
       for (Unit::Part* part : {&u.train_, &u.frozen_}) {
         if (!part->layout) continue;
         if (comm_.world_size() > 1) comm_.broadcast(part->full, modifier_rank).wait();
@@ -391,6 +416,10 @@ void Stage3::release_units(const std::vector<int>& units, int modifier_rank) {
       }
       // The master weights of the unit's trainable parameters take the new values too.
       for (const auto& [g, k] : u.master_pieces_) steps_[g].refresh_master(k);
+      if (u.shards_on_disk()) {
+        u.store_shards(/*trainable_only=*/false);
+        u.drop_shards();
+      }
     }
     --u.holds_;
     u.release();
@@ -427,7 +456,7 @@ at::Tensor Stage3::full_grad(const at::Tensor& param, double inv_scale) {
 GroupBytes Stage3::bytes() const {
   GroupBytes out;
   for (auto& u : units_) {
-    if (u->train_.layout) out.params += u->train_.shard.nbytes();
+    if (u->train_.layout) out.params += u->train_.shard.storage().nbytes();  // 0 while on disk
     if (u->grad_shard_.defined()) out.grads += u->grad_shard_.nbytes();
     if (u->grad_staging_.defined()) out.workspace += u->grad_staging_.nbytes();
   }
@@ -443,8 +472,12 @@ GroupBytes Stage3::bytes() const {
 int64_t Stage3::frozen_bytes() const {
   int64_t n = 0;
   for (auto& u : units_)
-    if (u->frozen_.layout) n += u->frozen_.shard.nbytes();
+    if (u->frozen_.layout) n += u->frozen_.shard.storage().nbytes();  // 0 while on disk
   return n;
+}
+
+int64_t Stage3::offload_disk_bytes() {
+  return Sharding::offload_disk_bytes() + (opts_.param_swap ? opts_.param_swap->disk_bytes() : 0);
 }
 
 }  // namespace zero

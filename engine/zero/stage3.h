@@ -68,6 +68,8 @@ struct Stage3Options {
   std::shared_ptr<offload::HostArena> offload;
   // offload_optimizer.device nvme (with `offload` for the window buffers): the state on disk.
   std::shared_ptr<NvmeOffload> nvme;
+  // offload_param.device nvme: the shards of units that are not persistent on disk.
+  std::shared_ptr<ParamSwap> param_swap;
 };
 
 // What a Sharded member and the autograd nodes reach: cleared when Stage3 goes, so a graph or a
@@ -101,6 +103,7 @@ class Stage3 final : public Sharding {
   int64_t num_elements() const override { return trainable_elems_; }
   int stage() const override { return 3; }
   at::Tensor full_grad(const at::Tensor& param, double inv_scale) override;
+  int64_t offload_disk_bytes() override;
 
   // DeepSpeed's GatheredParameters: gathers the units holding `params` (all units when empty) and
   // returns their indices; release_units writes modifications back when modifier_rank >= 0 (the

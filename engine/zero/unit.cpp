@@ -45,6 +45,7 @@ void Unit::gather(bool wait, const char* phase) {
   if (state_ == State::kReleased) {
     Communicator& comm = owner_.comm();
     CollectiveLabel label(comm, fmt::format("{}, {}", name_, phase));
+    load_shards();
     for (Part* part : {&train_, &frozen_}) {
       if (!part->layout) continue;
       alloc_storage(part->full);
@@ -54,6 +55,7 @@ void Unit::gather(bool wait, const char* phase) {
         part->full.copy_(part->shard);
       }
     }
+    if (pending_.empty()) drop_shards();
     state_ = State::kGathering;
     if (!persistent_) owner_.fetch().count_gather();
     owner_.fetch().add_gathered(gathered_bytes());
@@ -62,9 +64,45 @@ void Unit::gather(bool wait, const char* phase) {
 }
 
 void Unit::wait_gather() {
+  if (pending_.empty()) {
+    if (state_ == State::kGathering) state_ = State::kGathered;
+    return;
+  }
   for (auto& w : pending_) w.wait();
   pending_.clear();
+  drop_shards();  // the all-gathers read them
   if (state_ == State::kGathering) state_ = State::kGathered;
+}
+
+void Unit::shards_to_disk() {
+  ParamSwap& swap = *owner_.options().param_swap;
+  for (Part* part : {&train_, &frozen_}) {
+    if (!part->layout) continue;
+    part->swap_offset = swap.reserve(part->shard.nbytes());
+    swap.store(part->shard, part->swap_offset);
+    free_storage(part->shard);
+  }
+}
+
+void Unit::load_shards(bool trainable_only) {
+  for (Part* part : {&train_, &frozen_}) {
+    if (!part->layout || part->swap_offset < 0 || (trainable_only && part == &frozen_)) continue;
+    if (part->shard.storage().nbytes() == part->shard.nbytes()) continue;  // present, current
+    owner_.options().param_swap->load(part->shard, part->swap_offset);
+  }
+}
+
+void Unit::store_shards(bool trainable_only) {
+  for (Part* part : {&train_, &frozen_}) {
+    if (!part->layout || part->swap_offset < 0 || (trainable_only && part == &frozen_)) continue;
+    owner_.options().param_swap->store(part->shard, part->swap_offset);
+  }
+}
+
+void Unit::drop_shards() {
+  for (Part* part : {&train_, &frozen_}) {
+    if (part->layout && part->swap_offset >= 0) free_storage(part->shard);
+  }
 }
 
 void Unit::release() {

@@ -51,6 +51,7 @@ class Unit {
     std::unique_ptr<FlatLayout> layout;  // null when the part is empty
     at::Tensor shard;                    // compute dtype, this rank's slice
     at::Tensor full;                     // compute dtype, the padded buffer; storage only while gathered
+    int64_t swap_offset = -1;            // offload_param nvme: the shard's region in the swap file
     int64_t bytes() const;               // of `full` while gathered
   };
 
@@ -67,6 +68,8 @@ class Unit {
   int64_t numel() const { return numel_; }         // elements of all its parameters
   int64_t gathered_bytes() const;                   // its full buffers while gathered
   bool has_trainable() const { return static_cast<bool>(train_.layout); }
+  // offload_param nvme: its shards live on disk while it is not being gathered.
+  bool shards_on_disk() const { return train_.swap_offset >= 0 || frozen_.swap_offset >= 0; }
 
   // The lifecycle points (see above).
   void pre_forward();
@@ -86,6 +89,14 @@ class Unit {
   void gather(bool wait, const char* phase);
   void wait_gather();
   void release();
+  // offload_param nvme. shards_to_disk: after build, each part's shard gets a region in the swap
+  // file, is written there and freed. load_shards: the shards on disk without storage are read
+  // back (of the trainable part only, when `trainable_only`). store_shards: writes the trainable
+  // shard (changed by a step) to its region. drop_shards: frees the storage of shards on disk.
+  void shards_to_disk();
+  void load_shards(bool trainable_only = false);
+  void store_shards(bool trainable_only);
+  void drop_shards();
   // A trainable parameter's gradient arrived (its accumulator's post hook): staged.
   void on_grad_ready(int param);
   // Reduce-scatters the staged gradients (zeros for those that never arrived) and adds this rank's

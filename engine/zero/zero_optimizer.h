@@ -59,8 +59,9 @@ class Sharding {
   virtual GroupBytes bytes() const = 0;
   virtual int64_t num_elements() const = 0;
   virtual int stage() const = 0;
-  // Bytes of optimizer state in swap files (offload_optimizer.device nvme).
-  int64_t offload_disk_bytes() {
+  // Bytes of state in swap files (offload_optimizer.device nvme; stage 3's offload_param.device
+  // nvme adds its parameter shards).
+  virtual int64_t offload_disk_bytes() {
     int64_t n = 0;
     for (ShardStep* s : shard_steps()) n += s->disk_bytes();
     return n;

@@ -174,10 +174,10 @@ int main(int argc, char** argv) {
       if (jsonl.is_open()) {
         jsonl << fmt::format("{{\"step\": {}, \"loss\": {:.6f}, \"grad_norm\": {:.6g}, \"step_s\": {:.4f}, "
                              "\"tokens_per_s\": {:.1f}, \"skipped\": {}, \"model_state_bytes\": {}, "
-                             "\"gathered_peak_bytes\": {}, \"offload_host_bytes\": {}}}\n",
+                             "\"gathered_peak_bytes\": {}, \"offload_host_bytes\": {}, \"offload_disk_bytes\": {}}}\n",
                              step, loss, engine.last_grad_norm(), seconds, tokens_per_s,
                              engine.optimizer_step_was_skipped() ? "true" : "false", mem.model_states(),
-                             mem.gathered_peak, mem.offload_host);
+                             mem.gathered_peak, mem.offload_host, mem.offload_disk);
         jsonl.flush();
       }
       if (step % log_every == 0 || step + 1 == steps) {

@@ -52,6 +52,8 @@ struct RunSpec {
   bool offload = false;  // offload_optimizer.device cpu (and offload_param.device cpu in stage 3)
   std::string nvme_path;           // offload_optimizer.device nvme there (stage 3)
   int64_t sub_group = 1'000'000'000;  // sub_group_size
+  std::string param_nvme_path;     // offload_param.device nvme there (stage 3)
+  bool freeze_ln1 = false;         // every block's first LayerNorm frozen (a frozen layer first in a unit)
   // fp16 loss scaling
   int64_t initial_scale_power = 16, loss_scale_window = 1000, hysteresis = 2;
 };
@@ -144,6 +146,10 @@ inline zeal::Config make_config(const RunSpec& s) {
     c.zero.offload_optimizer.device = zeal::OffloadDevice::kNvme;
     c.zero.offload_optimizer.nvme_path = s.nvme_path;
   }
+  if (!s.param_nvme_path.empty()) {
+    c.zero.offload_param.device = zeal::OffloadDevice::kNvme;
+    c.zero.offload_param.nvme_path = s.param_nvme_path;
+  }
   c.zero.sub_group_size = s.sub_group;
   return c;
 }
@@ -163,6 +169,10 @@ inline Setup make_setup(const RunSpec& s, const std::function<TinyGpt()>& build 
   if (s.freeze_embeddings) {
     u.model->wte->weight.set_requires_grad(false);
     u.model->wpe->weight.set_requires_grad(false);
+  }
+  if (s.freeze_ln1) {
+    for (auto& item : u.model->named_parameters())
+      if (item.key().find(".ln1.") != std::string::npos) item.value().set_requires_grad(false);
   }
   for (auto& p : u.model->parameters()) {
     if (p.requires_grad()) u.trainable.push_back(p);

@@ -7,9 +7,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <ostream>
 #include <string>
 
+#include <torch/optim/sgd.h>
+
+#include "engine/zero/layout.h"
 #include "tests/engine/engine_harness.h"
 
 namespace zeal_test {
@@ -70,20 +74,6 @@ INSTANTIATE_TEST_SUITE_P(Cases, OffloadCpu,
                                            OffloadCase{3, 3, "bf16", 2}),
                          case_name);
 
-// Parameters to NVMe are named as not there yet, with the key; nothing starts.
-TEST(Offload, ParameterNvmeIsRefusedNamingTheKey) {
-  const std::string e = error_on_one_rank("offload_nvme", [](zeal::Runtime& rt) {
-    zeal::Config c = zeal::Config::defaults(false);
-    c.zero.stage = 3;
-    c.zero.offload_param.device = zeal::OffloadDevice::kNvme;
-    c.zero.offload_param.nvme_path = "/tmp";
-    zeal::Engine engine(c, rt);
-  });
-  EXPECT_NE(e.find("zero_optimization.offload_param.device: nvme offload of parameters is not available"),
-            std::string::npos)
-      << e;
-}
-
 // The optimizer state on disk (offload_optimizer.device nvme, stage 3), updated window by window of
 // sub_group_size elements (1000 here: many windows per partition): the same bits as without
 // offload, through io_uring and through the thread-pool fallback; the swap files hold 3 regions
@@ -138,6 +128,157 @@ TEST_P(OffloadNvme, TrainsBitIdenticalToNoOffload) {
 INSTANTIATE_TEST_SUITE_P(Cases, OffloadNvme,
                          ::testing::Values(NvmeCase{1, "no", 1, false}, NvmeCase{2, "bf16", 2, false},
                                            NvmeCase{3, "no", 1, false}, NvmeCase{2, "no", 2, true}));
+
+// Parameters on disk (offload_param.device nvme, stage 3): every block's shards (trainable and
+// frozen) live in the rank's swap file, read back for each all-gather (prefetches included) and
+// written after each step; with the optimizer state nowhere else, in host memory or on disk too.
+// The same bits as without offload, on 1-3 ranks, with a frozen LayerNorm first in every block;
+// in memory only the root's shards; on disk exactly each block part's 4 KiB-rounded shard (computed
+// here from the model's sizes, and checked against the run without offload).
+struct ParamNvmeCase {
+  int world;
+  std::string precision;
+  int accumulation;
+  std::string optimizer;  // where the optimizer state lives: none, cpu, nvme
+  bool threads;           // ZEAL_OFFLOAD_IO=threads
+};
+
+void PrintTo(const ParamNvmeCase& c, std::ostream* os) {
+  *os << c.world << " ranks, " << c.precision << ", accumulation " << c.accumulation << ", optimizer on "
+      << c.optimizer << (c.threads ? ", threads" : "");
+}
+
+struct ShardSizes {
+  double all_train = 0, root_train = 0, all_frozen = 0, root_frozen = 0, blocks_on_disk = 0;
+};
+
+// Each unit's trainable and frozen parts as stage 3 lays them out (model order, 16-element
+// alignment, equal shards), in bytes per rank.
+ShardSizes shard_sizes(const RunSpec& s, int64_t esize) {
+  Setup u = make_setup(s);
+  std::map<std::string, std::pair<std::vector<int64_t>, std::vector<int64_t>>> units;  // name: train, frozen
+  for (const auto& item : u.model->named_parameters()) {
+    const std::string& k = item.key();
+    const std::string unit = k.rfind("block", 0) == 0 ? k.substr(0, k.find('.')) : "";
+    (item.value().requires_grad() ? units[unit].first : units[unit].second).push_back(item.value().numel());
+  }
+  auto bytes = [&](const std::vector<int64_t>& n) {
+    return n.empty() ? 0.0 : double(zeal::zero::FlatLayout(n, s.world, 16).shard_size() * esize);
+  };
+  auto on_disk = [](double b) { return b == 0 ? 0.0 : std::ceil(b / 4096) * 4096; };
+  ShardSizes z;
+  for (const auto& [name, parts] : units) {
+    const double t = bytes(parts.first), f = bytes(parts.second);
+    z.all_train += t;
+    z.all_frozen += f;
+    if (name.empty()) {
+      z.root_train = t;
+      z.root_frozen = f;
+    } else {
+      z.blocks_on_disk += on_disk(t) + on_disk(f);
+    }
+  }
+  return z;
+}
+
+class OffloadParamNvme : public ::testing::TestWithParam<ParamNvmeCase> {};
+
+TEST_P(OffloadParamNvme, TrainsBitIdenticalToNoOffload) {
+  namespace fs = std::filesystem;
+  const ParamNvmeCase c = GetParam();
+  RunSpec s;
+  s.stage = 3;
+  s.world = c.world;
+  s.precision = c.precision;
+  s.accumulation = c.accumulation;
+  s.freeze_ln1 = true;
+  s.sub_group = 1000;
+  const RunResult plain = run_engine(s, "param_nvme_off");
+  const fs::path dir = temp_dir("param_swap");
+  s.param_nvme_path = dir.string();
+  if (c.optimizer == "nvme") s.nvme_path = dir.string();
+  if (c.optimizer == "cpu") s.offload = true;
+  if (c.threads) ::setenv("ZEAL_OFFLOAD_IO", "threads", 1);
+  const RunResult off = run_engine(s, "param_nvme_on");
+  ::unsetenv("ZEAL_OFFLOAD_IO");
+  for (size_t r = 0; r < off.params.size(); ++r) {
+    EXPECT_TRUE(at::equal(plain.params[r], off.params[r])) << "rank " << r;
+    EXPECT_TRUE(at::equal(plain.trajectory[r], off.trajectory[r])) << "rank " << r;
+  }
+  EXPECT_TRUE(at::equal(plain.losses, off.losses));
+  EXPECT_TRUE(at::equal(plain.norms, off.norms));
+  const ShardSizes z = shard_sizes(s, c.precision == "no" ? 4 : 2);
+  ASSERT_GT(z.blocks_on_disk, 0);
+  for (size_t r = 0; r < off.params.size(); ++r) {
+    EXPECT_EQ(plain.memory[r][0].item<double>(), z.all_train) << "rank " << r << ": the layout computed here is off";
+    EXPECT_EQ(plain.memory[r][4].item<double>(), z.all_frozen) << "rank " << r;
+    EXPECT_EQ(off.memory[r][0].item<double>(), z.root_train) << "rank " << r << ": block shards held in memory";
+    EXPECT_EQ(off.memory[r][4].item<double>(), z.root_frozen) << "rank " << r << ": frozen block shards in memory";
+    double optimizer_disk = 0;
+    if (c.optimizer == "nvme") {
+      const double owned = plain.memory[r][3].item<double>() / 8;  // Adam: 8 bytes per owned element
+      optimizer_disk = 3 * std::ceil(owned * 4 / 4096) * 4096;
+    }
+    EXPECT_EQ(off.memory[r][10].item<double>(), z.blocks_on_disk + optimizer_disk) << "rank " << r;
+  }
+  EXPECT_TRUE(fs::is_empty(dir)) << "swap files left in " << dir;
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, OffloadParamNvme,
+                         ::testing::Values(ParamNvmeCase{1, "no", 1, "none", false},
+                                           ParamNvmeCase{2, "bf16", 2, "nvme", false},
+                                           ParamNvmeCase{3, "no", 1, "cpu", false},
+                                           ParamNvmeCase{2, "no", 1, "none", true}));
+
+// engine.gathered with a modifier rank on parameters that live on disk: the new values reach the
+// swap file, so every rank reads them back after the unit was released and gathered again.
+TEST(OffloadParamNvme, GatheredModificationReachesTheDisk) {
+  namespace fs = std::filesystem;
+  const fs::path swap = temp_dir("param_swap_modify");
+  const std::string out = temp_dir("param_swap_modify_out");
+  RunSpec s;
+  s.stage = 3;
+  s.world = 2;
+  s.param_nvme_path = swap.string();
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(make_config(s), rt);
+        zeal_test::Setup u = make_setup(s);
+        torch::optim::SGD opt(u.trainable, torch::optim::SGDOptions(0.0));  // lr 0: values stay
+        auto [m, o] = engine.prepare(u.model, opt);
+        const at::Tensor w = m->blocks[1]->inner->fc1->weight;
+        {
+          auto g = engine.gathered(std::vector<at::Tensor>{w}, /*modifier_rank=*/1);
+          if (engine.process_index() == 1) w.detach().fill_(0.25);
+        }
+        {
+          auto g = engine.gathered();  // straight from the disk
+          write_tensor(out + "/before_step_" + std::to_string(engine.process_index()), w.detach().clone());
+        }
+        at::Tensor tokens = make_tokens(2);
+        engine.backward(lm_loss(m, tokens));
+        o.step();
+        o.zero_grad();
+        auto g = engine.gathered();
+        write_tensor(out + "/w_" + std::to_string(engine.process_index()), w.detach().clone());
+        write_tensor(out + "/p_" + std::to_string(engine.process_index()), flat_params(*m));
+      },
+      s.world);
+  ASSERT_EQ(zeal::describe_failures(results), "");
+  zeal_test::Setup ref = make_setup(s);
+  ref.model->blocks[1]->inner->fc1->weight.detach().fill_(0.25);
+  for (int r = 0; r < s.world; ++r) {
+    const at::Tensor w = read_tensor(out + "/w_" + std::to_string(r));
+    EXPECT_TRUE(at::equal(w, at::full_like(w, 0.25))) << "rank " << r;
+    const at::Tensor b = read_tensor(out + "/before_step_" + std::to_string(r));
+    EXPECT_TRUE(at::equal(b, at::full_like(b, 0.25))) << "rank " << r << ", before the step";
+    EXPECT_TRUE(at::equal(read_tensor(out + "/p_" + std::to_string(r)), flat_params(*ref.model))) << "rank " << r;
+  }
+  EXPECT_TRUE(fs::is_empty(swap));
+  fs::remove_all(swap);
+  fs::remove_all(out);
+}
 
 }  // namespace
 }  // namespace zeal_test
