@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <future>
 
 #include "engine/error.h"
 #include "engine/optim/cuda_stream.h"
@@ -205,20 +206,22 @@ void ShardStep::offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::
   window_ = round_up(std::max<int64_t>(1, std::min(window, total_)), kAlignElems);
   region_bytes_ = round_up(total_ * 4, offload::kIoAlign);
   swap_->dir().require(3 * region_bytes_, "the optimizer state offloaded to nvme");
-  win_master_ = arena_tensor(arena_, window_, at::kFloat);
-  win_m_ = arena_tensor(arena_, window_, at::kFloat);
-  win_v_ = arena_tensor(arena_, window_, at::kFloat);
+  for (int k = 0; k < 2; ++k) {
+    win_master_[k] = arena_tensor(arena_, window_, at::kFloat);
+    win_m_[k] = arena_tensor(arena_, window_, at::kFloat);
+    win_v_[k] = arena_tensor(arena_, window_, at::kFloat);
+  }
   host_grad_ = arena_tensor(arena_, window_, at::kFloat);
   const at::ScalarType out_type = pieces_.empty() ? at::kFloat : pieces_[0].out.scalar_type();
   host_out_ = arena_tensor(arena_, window_, out_type);
   // The master as it is, m and v zero (the state's start), window by window.
   for (int64_t a = 0; a < total_; a += window_) {
     const int64_t len = std::min(window_, total_ - a), io_bytes = round_up(len * 4, offload::kIoAlign);
-    win_master_.zero_();
-    win_master_.narrow(0, 0, len).copy_(master_.narrow(0, a, len));
-    swap_->write(win_master_.data_ptr(), io_bytes, a * 4);
-    swap_->write(win_m_.data_ptr(), io_bytes, region_bytes_ + a * 4);
-    swap_->write(win_v_.data_ptr(), io_bytes, 2 * region_bytes_ + a * 4);
+    win_master_[0].zero_();
+    win_master_[0].narrow(0, 0, len).copy_(master_.narrow(0, a, len));
+    swap_->write(win_master_[0].data_ptr(), io_bytes, a * 4);
+    swap_->write(win_m_[0].data_ptr(), io_bytes, region_bytes_ + a * 4);
+    swap_->write(win_v_[0].data_ptr(), io_bytes, 2 * region_bytes_ + a * 4);
   }
   master_ = at::Tensor();
   fused_ = true;
@@ -229,11 +232,35 @@ void ShardStep::apply_nvme(double inv_scale) {
   if (!grad32_ready_) scale = inv_scale * pending_scale_;
   const auto out_type = kernel_dtype(host_out_.scalar_type());
   const int64_t out_size = static_cast<int64_t>(host_out_.element_size());
-  for (int64_t a = 0; a < total_; a += window_) {
-    const int64_t len = std::min(window_, total_ - a), io_bytes = round_up(len * 4, offload::kIoAlign);
-    swap_->read(win_master_.data_ptr(), io_bytes, a * 4);
-    swap_->read(win_m_.data_ptr(), io_bytes, region_bytes_ + a * 4);
-    swap_->read(win_v_.data_ptr(), io_bytes, 2 * region_bytes_ + a * 4);
+  // Window w's three slices in and out of buffer set k. Only one thread does I/O at a time: the
+  // swap file's I/O engine is not shared between threads.
+  auto io_bytes = [&](int64_t a) { return round_up(std::min(window_, total_ - a) * 4, offload::kIoAlign); };
+  auto read = [&](int64_t a, int k) {
+    swap_->read(win_master_[k].data_ptr(), io_bytes(a), a * 4);
+    swap_->read(win_m_[k].data_ptr(), io_bytes(a), region_bytes_ + a * 4);
+    swap_->read(win_v_[k].data_ptr(), io_bytes(a), 2 * region_bytes_ + a * 4);
+  };
+  auto write = [&](int64_t a, int k) {
+    swap_->write(win_master_[k].data_ptr(), io_bytes(a), a * 4);
+    swap_->write(win_m_[k].data_ptr(), io_bytes(a), region_bytes_ + a * 4);
+    swap_->write(win_v_[k].data_ptr(), io_bytes(a), 2 * region_bytes_ + a * 4);
+  };
+  std::future<void> moving;  // the background I/O of the other buffer set
+  struct Drain {             // an exception in the update waits for the I/O before the buffers go
+    std::future<void>& f;
+    ~Drain() {
+      if (f.valid()) f.wait();
+    }
+  } drain{moving};
+  if (total_ > 0) read(0, 0);
+  for (int64_t a = 0, i = 0; a < total_; a += window_, ++i) {
+    const int k = static_cast<int>(i % 2);
+    const int64_t len = std::min(window_, total_ - a);
+    const int64_t prev = a - window_, next = a + window_;
+    moving = std::async(std::launch::async, [&, prev, next, k] {
+      if (prev >= 0) write(prev, 1 - k);
+      if (next < total_) read(next, 1 - k);
+    });
     std::vector<optim::FusedSegment> segments;
     struct Back {
       const Piece* piece;
@@ -251,9 +278,9 @@ void ShardStep::apply_nvme(double inv_scale) {
       seg.n = n;
       seg.grad = host_grad_.data_ptr<float>() + (lo - a);
       seg.grad_type = cpu::DType::kFp32;
-      seg.master = win_master_.data_ptr<float>() + (lo - a);
-      seg.m = win_m_.data_ptr<float>() + (lo - a);
-      seg.v = win_v_.data_ptr<float>() + (lo - a);
+      seg.master = win_master_[k].data_ptr<float>() + (lo - a);
+      seg.m = win_m_[k].data_ptr<float>() + (lo - a);
+      seg.v = win_v_[k].data_ptr<float>() + (lo - a);
       seg.copy = static_cast<char*>(host_out_.data_ptr()) + (lo - a) * out_size;
       seg.copy_type = out_type;
       segments.push_back(seg);
@@ -262,9 +289,8 @@ void ShardStep::apply_nvme(double inv_scale) {
     // One optimizer step over all windows: the step count advances with the first.
     optimizer_->fused_update(total_, at::kCPU, segments, scale, /*new_step=*/a == 0);
     for (const Back& b : back) b.piece->out.narrow(0, b.lo - b.piece->offset, b.n).copy_(host_out_.narrow(0, b.lo - a, b.n));
-    swap_->write(win_master_.data_ptr(), io_bytes, a * 4);
-    swap_->write(win_m_.data_ptr(), io_bytes, region_bytes_ + a * 4);
-    swap_->write(win_v_.data_ptr(), io_bytes, 2 * region_bytes_ + a * 4);
+    moving.get();  // rethrows an I/O error
+    if (next >= total_) write(a, k);
   }
   if (!grad32_.is_same(alias_)) grad32_ = alias_;
   grad32_ready_ = false;

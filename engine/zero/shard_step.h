@@ -64,8 +64,9 @@ class ShardStep {
   bool offloaded() const { return arena_ != nullptr; }
   // NVMe offload (instead of offload_to): the master (a separate tensor) and the optimizer state
   // (fused Adam) move into `file`, [master | m | v], and the step runs window by window of
-  // `window` elements (sub_group_size): read the window's master, m and v, update them with its
-  // gradients, write them back. Host memory: five window buffers in the arena. Bit-identical to
+  // `window` elements (sub_group_size), pipelined: while window i is updated, window i−1 is
+  // written back and then window i+1 read on a background thread. Host memory: two sets of
+  // master, m and v windows plus the gradient and result windows, in the arena. Bit-identical to
   // the step without offload.
   void offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::shared_ptr<offload::SwapFile> file,
                        int64_t window);
@@ -104,7 +105,7 @@ class ShardStep {
 
   std::shared_ptr<offload::SwapFile> swap_;  // NVMe offload
   int64_t window_ = 0, region_bytes_ = 0;
-  at::Tensor win_master_, win_m_, win_v_;
+  at::Tensor win_master_[2], win_m_[2], win_v_[2];  // two sets: one updated while the other moves
 
   std::shared_ptr<offload::HostArena> arena_;
   at::Tensor host_grad_, host_out_;  // offload: the step's buffers in the arena
