@@ -3,11 +3,21 @@
 // direct=1) at the same request size and queue depth, at 1 MiB and 128 KiB requests, in interleaved
 // rounds; ratios round by round (median and min–max).
 //
-//   build/bin/offload_bench [--dir D] [--gib G] [--queue_depth Q] [--rounds R] [--json PATH]
+// Then the optimizer step of a partition of S parameters (default 1e9) whose fp32 master weights
+// and Adam state live in a swap file (offload_optimizer.device nvme: ShardStep, pipelined over
+// windows of W elements, reading and writing at once) against its I/O floor: the bytes the step
+// moves (read and written) ÷ fio's bandwidth reading and writing at once (one job reading, one
+// writing, queue depth Q each, as zeal's reader and writer) on the same file, measured before and
+// after the steps in this run; and the step's peak
+// resident set above the process's before the state existed, against the bound: the bf16
+// gradients and parameters the caller holds (2 · 2 · S bytes) + the window buffers ((40 + 2) · W).
+//
+//   build/bin/offload_bench [--dir D] [--gib G] [--queue_depth Q] [--rounds R]
+//                           [--step_params S] [--sub_group W] [--steps K] [--json PATH]
 //
 // D defaults to build/ (the disk the build is on); zeal and fio use one file there (the same extents
-// on the disk), so G GiB and 1 GiB spare must be free, checked before anything is written. Not yet measured here: the optimizer step against its
-// I/O floor (NVMe offload of the step is still to come).
+// on the disk), so G GiB and 1 GiB spare must be free, checked before anything is written, and 12·S
+// bytes more for the step (--step_params 0 skips it).
 #include <fcntl.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -23,8 +33,15 @@
 
 #include <fmt/format.h>
 
+#include <ATen/ATen.h>
+
 #include "benchmarks/rounds.h"
+#include "engine/optim/optimizer.h"
+#include "engine/zero/offload_state.h"
+#include "engine/zero/shard_step.h"
+#include "offload/host_arena.h"
 #include "offload/io.h"
+#include "offload/swap_dir.h"
 
 namespace {
 
@@ -55,12 +72,37 @@ double fio_bandwidth(const std::string& file, bool write, int64_t bs, int qd, in
   return j["jobs"][0][write ? "write" : "read"]["bw_bytes"].get<double>();
 }
 
+// A field of /proc/self/status in bytes (VmRSS, VmHWM).
+int64_t status_bytes(const std::string& field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
+  }
+  return -1;
+}
+
+// Resets VmHWM to the current resident set.
+void reset_peak() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+// fio reading and writing at once: one job reading the file's first half while another writes its
+// second half, each at queue depth qd (as zeal's reader and writer): both jobs' bytes per second.
+double fio_duplex_bandwidth(const std::string& file, int64_t bs, int qd, int64_t bytes) {
+  const std::string out = run(fmt::format(
+      "fio --filename={} --bs={} --size={} --iodepth={} --ioengine=io_uring --direct=1 --output-format=json "
+      "--name=r --rw=read --offset=0 --name=w --rw=write --offset={} 2>&1",
+      file, bs, bytes / 2, qd, bytes / 2));
+  const auto j = nlohmann::json::parse(out.substr(out.find('{')));
+  return j["jobs"][0]["read"]["bw_bytes"].get<double>() + j["jobs"][1]["write"]["bw_bytes"].get<double>();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string dir = std::string(ZEAL_BUILD_DIR), json_path;
   int64_t gib = 4;
-  int qd = 16, rounds = 3;
+  int qd = 16, rounds = 3, steps = 3;
+  int64_t step_params = 1'000'000'000, sub_group = 100'000'000;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -73,12 +115,16 @@ int main(int argc, char** argv) {
       else if (a == "--queue_depth") qd = std::stoi(next());
       else if (a == "--rounds") rounds = std::stoi(next());
       else if (a == "--json") json_path = next();
+      else if (a == "--step_params") step_params = static_cast<int64_t>(std::stod(next()));
+      else if (a == "--sub_group") sub_group = static_cast<int64_t>(std::stod(next()));
+      else if (a == "--steps") steps = std::stoi(next());
       else throw std::invalid_argument("unknown flag " + a);
     }
-    if (gib < 1 || qd < 1 || rounds < 1) throw std::invalid_argument("--gib, --queue_depth and --rounds are ≥ 1");
+    if (gib < 1 || qd < 1 || rounds < 1 || steps < 1 || sub_group < 1 || step_params < 0)
+      throw std::invalid_argument("--gib, --queue_depth, --rounds, --steps and --sub_group are ≥ 1");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "offload_bench: %s\nusage: offload_bench [--dir D] [--gib G] [--queue_depth Q] [--rounds R] "
-                         "[--json PATH]\n", e.what());
+                         "[--step_params S] [--sub_group W] [--steps K] [--json PATH]\n", e.what());
     return 2;
   }
   try {
@@ -94,9 +140,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int64_t free_bytes = static_cast<int64_t>(sv.f_bavail) * static_cast<int64_t>(sv.f_frsize);
-  if (free_bytes < bytes + (1ll << 30)) {
-    std::fprintf(stderr, "offload_bench: %s has %.1f GiB free; %lld GiB and 1 GiB spare are needed\n", dir.c_str(),
-                 free_bytes / double(1 << 30), static_cast<long long>(gib));
+  if (free_bytes < bytes + 12 * step_params + (1ll << 30)) {
+    std::fprintf(stderr, "offload_bench: %s has %.1f GiB free; %.1f GiB and 1 GiB spare are needed\n", dir.c_str(),
+                 free_bytes / double(1 << 30), (bytes + 12 * step_params) / double(1 << 30));
     return 1;
   }
   // One file for both: the same extents on the disk, so only the I/O engines differ.
@@ -161,6 +207,60 @@ int main(int argc, char** argv) {
                 {"engine", io->kind()}};
     zeal_bench::put_ratio(out[key], "write_ratio_vs_fio", w);
     zeal_bench::put_ratio(out[key], "read_ratio_vs_fio", r);
+  }
+  if (step_params > 0) {
+    // The step: state written once (the offload), then K steps, each timed and its peak resident
+    // set taken; fio's 1 MiB bandwidths of this run give the floor.
+    std::vector<double> fio_duplex{fio_duplex_bandwidth(zfile, 1 << 20, qd, bytes)};
+    const int64_t n = step_params;
+    const int64_t before = status_bytes("VmRSS");
+    std::printf("step: %.2f G parameters, windows of %.0f M elements, %d steps\n", n / 1e9, sub_group / 1e6, steps);
+    std::fflush(stdout);
+    const std::string run_id = zeal::offload::new_run_id();
+    auto sdir = std::make_shared<zeal::offload::SwapDir>(dir, run_id, 0);
+    IoOptions o;
+    o.block_size = 1 << 20;
+    o.queue_depth = qd;
+    std::shared_ptr<zeal::offload::IoEngine> io = zeal::offload::make_io_engine(o);
+    auto arena = std::make_shared<zeal::offload::HostArena>(false);
+    at::Tensor grad = at::full({n}, 1e-3, at::kBFloat16), param = at::zeros({n}, at::kBFloat16);
+    double init_s = 0;
+    std::vector<double> step_s, peak;
+    {
+      zeal::optim::Hyper h;
+      h.weight_decay = 0.01;
+      std::vector<zeal::zero::ShardStep::Piece> pieces{{0, grad, param}};
+      zeal::zero::ShardStep step(at::full({n}, 0.5f, at::kFloat), zeal::optim::make_fused_adamw(h), pieces);
+      init_s = zeal_bench::seconds_of([&] {
+        step.offload_to_nvme(arena, std::make_shared<zeal::offload::SwapFile>(sdir, io, "optimizer.swp"), sub_group);
+      });
+      for (int k = 0; k < steps; ++k) {
+        reset_peak();
+        step_s.push_back(zeal_bench::seconds_of([&] { step.apply(1e-3, 1.0); }));
+        peak.push_back(static_cast<double>(status_bytes("VmHWM") - before));
+        std::printf("  step %d: %.2f s, peak resident set %.2f GiB above the start\n", k + 1, step_s.back(),
+                    peak.back() / double(1 << 30));
+        std::fflush(stdout);
+      }
+    }
+    fio_duplex.push_back(fio_duplex_bandwidth(zfile, 1 << 20, qd, bytes));
+    const double fio_bw = zeal_bench::Series{fio_duplex}.median();
+    const double moved = 12.0 * n;  // master, m and v: read once and written once per step
+    const double floor_s = 2 * moved / fio_bw;
+    const double bound = 2.0 * 2 * n + (40.0 + 2) * std::min(sub_group, n);
+    const zeal_bench::Series st{step_s}, pk{peak};
+    const double step_ratio = st.median() / floor_s, host_ratio = pk.max() / bound;
+    std::printf("| step | %.2f s (%.2f–%.2f) | I/O floor %.2f s (%.1f GB read and written at fio's %.2f GB/s, both "
+                "directions at once) | ratio %.3f (goal <= 1.25) | peak %.2f GiB vs bound %.2f GiB: %.3f | state "
+                "written in %.2f s |\n",
+                st.median(), st.min(), st.max(), floor_s, moved / 1e9, fio_bw / 1e9, step_ratio,
+                pk.max() / double(1 << 30), bound / double(1 << 30), host_ratio, init_s);
+    out["step"] = {{"parameters", n},          {"sub_group_size", sub_group},   {"step_s", step_s},
+                   {"io_floor_s", floor_s},    {"bytes_read", moved},           {"bytes_written", moved},
+                   {"fio_read_and_write_bytes_per_s", fio_duplex}, {"peak_rss_above_start", peak},
+                   {"host_bound_bytes", bound}, {"initial_write_s", init_s},    {"io_engine", io->kind()}};
+    out["step_ratio_vs_io_floor"] = step_ratio;
+    out["host_peak_ratio_vs_bound"] = host_ratio;
   }
   env.end();
   out["write_ratio_vs_fio"] = worst_write;  // the smaller of the two sizes'

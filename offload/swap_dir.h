@@ -49,6 +49,11 @@ class SwapFile {
   SwapFile& operator=(const SwapFile&) = delete;
   void write(const void* buf, int64_t bytes, int64_t offset) { io_->write(fd_, path_, buf, bytes, offset); }
   void read(void* buf, int64_t bytes, int64_t offset) { io_->read(fd_, path_, buf, bytes, offset); }
+  // The same through another engine (an engine is used by one thread at a time: a second thread
+  // writing while the first reads needs its own).
+  void write(IoEngine& io, const void* buf, int64_t bytes, int64_t offset) { io.write(fd_, path_, buf, bytes, offset); }
+  void read(IoEngine& io, void* buf, int64_t bytes, int64_t offset) { io.read(fd_, path_, buf, bytes, offset); }
+  IoEngine& io() { return *io_; }
   const std::string& path() const { return path_; }
   SwapDir& dir() { return *dir_; }
 

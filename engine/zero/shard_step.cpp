@@ -206,7 +206,8 @@ void ShardStep::offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::
   window_ = round_up(std::max<int64_t>(1, std::min(window, total_)), kAlignElems);
   region_bytes_ = round_up(total_ * 4, offload::kIoAlign);
   swap_->dir().require(3 * region_bytes_, "the optimizer state offloaded to nvme");
-  for (int k = 0; k < 2; ++k) {
+  writer_ = offload::make_io_engine(swap_->io().options(), std::string(swap_->io().kind()) == "threads");
+  for (int k = 0; k < 3; ++k) {
     win_master_[k] = arena_tensor(arena_, window_, at::kFloat);
     win_m_[k] = arena_tensor(arena_, window_, at::kFloat);
     win_v_[k] = arena_tensor(arena_, window_, at::kFloat);
@@ -232,8 +233,8 @@ void ShardStep::apply_nvme(double inv_scale) {
   if (!grad32_ready_) scale = inv_scale * pending_scale_;
   const auto out_type = kernel_dtype(host_out_.scalar_type());
   const int64_t out_size = static_cast<int64_t>(host_out_.element_size());
-  // Window w's three slices in and out of buffer set k. Only one thread does I/O at a time: the
-  // swap file's I/O engine is not shared between threads.
+  // Window a's three slices in and out of buffer set k: reads through the file's engine, writes
+  // through the writer's, each engine on one thread at a time.
   auto io_bytes = [&](int64_t a) { return round_up(std::min(window_, total_ - a) * 4, offload::kIoAlign); };
   auto read = [&](int64_t a, int k) {
     swap_->read(win_master_[k].data_ptr(), io_bytes(a), a * 4);
@@ -241,26 +242,26 @@ void ShardStep::apply_nvme(double inv_scale) {
     swap_->read(win_v_[k].data_ptr(), io_bytes(a), 2 * region_bytes_ + a * 4);
   };
   auto write = [&](int64_t a, int k) {
-    swap_->write(win_master_[k].data_ptr(), io_bytes(a), a * 4);
-    swap_->write(win_m_[k].data_ptr(), io_bytes(a), region_bytes_ + a * 4);
-    swap_->write(win_v_[k].data_ptr(), io_bytes(a), 2 * region_bytes_ + a * 4);
+    swap_->write(*writer_, win_master_[k].data_ptr(), io_bytes(a), a * 4);
+    swap_->write(*writer_, win_m_[k].data_ptr(), io_bytes(a), region_bytes_ + a * 4);
+    swap_->write(*writer_, win_v_[k].data_ptr(), io_bytes(a), 2 * region_bytes_ + a * 4);
   };
-  std::future<void> moving;  // the background I/O of the other buffer set
-  struct Drain {             // an exception in the update waits for the I/O before the buffers go
-    std::future<void>& f;
+  std::future<void> reading, writing;  // window i+1 coming in, window i-1 going out
+  struct Drain {                       // an exception in the update waits for the I/O before the buffers go
+    std::future<void>& r;
+    std::future<void>& w;
     ~Drain() {
-      if (f.valid()) f.wait();
+      if (r.valid()) r.wait();
+      if (w.valid()) w.wait();
     }
-  } drain{moving};
+  } drain{reading, writing};
   if (total_ > 0) read(0, 0);
   for (int64_t a = 0, i = 0; a < total_; a += window_, ++i) {
-    const int k = static_cast<int>(i % 2);
+    const int k = static_cast<int>(i % 3);
     const int64_t len = std::min(window_, total_ - a);
     const int64_t prev = a - window_, next = a + window_;
-    moving = std::async(std::launch::async, [&, prev, next, k] {
-      if (prev >= 0) write(prev, 1 - k);
-      if (next < total_) read(next, 1 - k);
-    });
+    if (next < total_) reading = std::async(std::launch::async, [&, next, k] { read(next, (k + 1) % 3); });
+    if (prev >= 0) writing = std::async(std::launch::async, [&, prev, k] { write(prev, (k + 2) % 3); });
     std::vector<optim::FusedSegment> segments;
     struct Back {
       const Piece* piece;
@@ -289,7 +290,8 @@ void ShardStep::apply_nvme(double inv_scale) {
     // One optimizer step over all windows: the step count advances with the first.
     optimizer_->fused_update(total_, at::kCPU, segments, scale, /*new_step=*/a == 0);
     for (const Back& b : back) b.piece->out.narrow(0, b.lo - b.piece->offset, b.n).copy_(host_out_.narrow(0, b.lo - a, b.n));
-    moving.get();  // rethrows an I/O error
+    if (writing.valid()) writing.get();  // rethrows an I/O error
+    if (reading.valid()) reading.get();
     if (next >= total_) write(a, k);
   }
   if (!grad32_.is_same(alias_)) grad32_ = alias_;

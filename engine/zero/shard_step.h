@@ -65,9 +65,9 @@ class ShardStep {
   // NVMe offload (instead of offload_to): the master (a separate tensor) and the optimizer state
   // (fused Adam) move into `file`, [master | m | v], and the step runs window by window of
   // `window` elements (sub_group_size), pipelined: while window i is updated, window i−1 is
-  // written back and then window i+1 read on a background thread. Host memory: two sets of
-  // master, m and v windows plus the gradient and result windows, in the arena. Bit-identical to
-  // the step without offload.
+  // written back and window i+1 read, each on its own thread and I/O engine. Host memory: three
+  // sets of master, m and v windows plus the gradient and result windows, in the arena.
+  // Bit-identical to the step without offload.
   void offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::shared_ptr<offload::SwapFile> file,
                        int64_t window);
   // Bytes of this partition's state on disk (NVMe offload), else 0.
@@ -105,7 +105,9 @@ class ShardStep {
 
   std::shared_ptr<offload::SwapFile> swap_;  // NVMe offload
   int64_t window_ = 0, region_bytes_ = 0;
-  at::Tensor win_master_[2], win_m_[2], win_v_[2];  // two sets: one updated while the other moves
+  // Three sets: one updated while the previous is written back and the next read.
+  at::Tensor win_master_[3], win_m_[3], win_v_[3];
+  std::unique_ptr<offload::IoEngine> writer_;  // the write-back's own engine (the file's reads)
 
   std::shared_ptr<offload::HostArena> arena_;
   at::Tensor host_grad_, host_out_;  // offload: the step's buffers in the arena
