@@ -389,6 +389,7 @@ void Engine::build_zero() {
     io.thread_count = static_cast<int>(config_.aio.thread_count);
     io.single_submit = config_.aio.single_submit;
     io.overlap_events = config_.aio.overlap_events;
+    io.verify = config_.aio.verify;
     std::string why;
     state_->io = offload::make_io_engine(io, std::getenv("ZEAL_OFFLOAD_IO") && std::string(std::getenv("ZEAL_OFFLOAD_IO")) == "threads", &why);
     if (!why.empty() && runtime_->local_rank() == 0) {

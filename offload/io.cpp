@@ -1,6 +1,7 @@
 #include "offload/io.h"
 
 #include <liburing.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -179,6 +180,17 @@ int64_t IoEngine::maybe_fault(int64_t request, int64_t res, int64_t len) const {
 
 void IoEngine::fail(Op op, const std::string& path, int64_t offset, int64_t len, int64_t res) const {
   const bool w = op == Op::kWrite;
+  if (res >= 0 && w) {
+    // A write cut short by a full file system: say so, with ENOSPC, as the next write would.
+    struct statvfs s {};
+    const std::string dir = path.substr(0, path.find_last_of('/') + 1);
+    if (::statvfs(dir.empty() ? "." : dir.c_str(), &s) == 0 &&
+        static_cast<int64_t>(s.f_bavail) * static_cast<int64_t>(s.f_frsize) < len - res) {
+      throw IoError(fmt::format("offload: writing {} at offset {} ({} bytes) failed: {} ({} of {} bytes written)", path,
+                                offset, len, std::strerror(ENOSPC), res, len),
+                    path, offset, len, ENOSPC);
+    }
+  }
   if (res >= 0) {
     throw IoError(fmt::format("offload: {} {} at offset {} ({} bytes): short transfer, {} of {} bytes{}", verb(w), path,
                               offset, len, res, len, w ? " (is the disk full?)" : " (the file is shorter than expected)"),

@@ -24,6 +24,7 @@ struct IoOptions {
   int thread_count = 1;          // threads of the fallback (aio.thread_count)
   bool single_submit = false;    // submit requests one at a time (aio.single_submit)
   bool overlap_events = true;    // submit new requests while completions arrive (aio.overlap_events)
+  bool verify = false;           // swap files check a CRC32C per block on every read (aio.verify)
 };
 
 // An I/O request that failed: the file, where, how much and why.

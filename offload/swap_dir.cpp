@@ -1,10 +1,13 @@
 #include "offload/swap_dir.h"
 
+#include "offload/crc32c.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -125,6 +128,37 @@ int SwapDir::open_file(const std::string& name) const {
 SwapFile::SwapFile(std::shared_ptr<SwapDir> dir, std::shared_ptr<IoEngine> io, const std::string& name)
     : dir_(std::move(dir)), io_(std::move(io)), path_((fs::path(dir_->path()) / name).string()) {
   fd_ = dir_->open_file(name);
+  verify_ = io_->options().verify;
+}
+
+void SwapFile::write(IoEngine& io, const void* buf, int64_t bytes, int64_t offset) {
+  io.write(fd_, path_, buf, bytes, offset);
+  if (!verify_) return;
+  const int64_t block = io_->options().block_size;
+  std::lock_guard<std::mutex> lock(crc_mu_);
+  for (int64_t at = 0; at < bytes; at += block) {
+    const int64_t n = std::min(block, bytes - at);
+    crc_[offset + at] = {n, crc32c(static_cast<const char*>(buf) + at, static_cast<size_t>(n))};
+  }
+}
+
+void SwapFile::read(IoEngine& io, void* buf, int64_t bytes, int64_t offset) {
+  io.read(fd_, path_, buf, bytes, offset);
+  if (!verify_) return;
+  const int64_t block = io_->options().block_size;
+  std::lock_guard<std::mutex> lock(crc_mu_);
+  for (int64_t at = 0; at < bytes; at += block) {
+    const int64_t n = std::min(block, bytes - at);
+    auto it = crc_.find(offset + at);
+    if (it == crc_.end() || it->second.first != n) continue;  // not written as this piece
+    const uint32_t got = crc32c(static_cast<const char*>(buf) + at, static_cast<size_t>(n));
+    if (got != it->second.second) {
+      throw IoError(fmt::format("offload: {} at offset {} ({} bytes) does not hold what was written there (CRC32C "
+                                "{:08x}, written {:08x}): the disk or the file changed it",
+                                path_, offset + at, n, got, it->second.second),
+                    path_, offset + at, n, EBADMSG);
+    }
+  }
 }
 
 SwapFile::~SwapFile() {

@@ -6,6 +6,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -47,12 +50,15 @@ class SwapFile {
   ~SwapFile();
   SwapFile(const SwapFile&) = delete;
   SwapFile& operator=(const SwapFile&) = delete;
-  void write(const void* buf, int64_t bytes, int64_t offset) { io_->write(fd_, path_, buf, bytes, offset); }
-  void read(void* buf, int64_t bytes, int64_t offset) { io_->read(fd_, path_, buf, bytes, offset); }
+  void write(const void* buf, int64_t bytes, int64_t offset) { write(*io_, buf, bytes, offset); }
+  void read(void* buf, int64_t bytes, int64_t offset) { read(*io_, buf, bytes, offset); }
   // The same through another engine (an engine is used by one thread at a time: a second thread
   // writing while the first reads needs its own).
-  void write(IoEngine& io, const void* buf, int64_t bytes, int64_t offset) { io.write(fd_, path_, buf, bytes, offset); }
-  void read(IoEngine& io, void* buf, int64_t bytes, int64_t offset) { io.read(fd_, path_, buf, bytes, offset); }
+  // With aio.verify (the engine's options), every block_size piece of every write gets a CRC32C,
+  // checked when the same piece is read back: a mismatch is an IoError naming the file, the
+  // piece's offset and size, and both checksums.
+  void write(IoEngine& io, const void* buf, int64_t bytes, int64_t offset);
+  void read(IoEngine& io, void* buf, int64_t bytes, int64_t offset);
   IoEngine& io() { return *io_; }
   const std::string& path() const { return path_; }
   SwapDir& dir() { return *dir_; }
@@ -62,6 +68,9 @@ class SwapFile {
   std::shared_ptr<IoEngine> io_;
   std::string path_;
   int fd_ = -1;
+  bool verify_ = false;
+  std::mutex crc_mu_;  // the reader and the writer run on two threads
+  std::unordered_map<int64_t, std::pair<int64_t, uint32_t>> crc_;  // piece offset: (bytes, CRC32C)
 };
 
 // "<seconds since the epoch>-<pid>": unique enough for the run directories of one machine.

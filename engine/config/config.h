@@ -83,6 +83,7 @@ struct AioConfig {
   int64_t thread_count = 1;
   bool single_submit = false;
   bool overlap_events = true;
+  bool verify = false;  // zeal: a CRC32C per block of swap files, checked on every read
   bool operator==(const AioConfig&) const = default;
 };
 

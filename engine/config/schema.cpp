@@ -366,6 +366,8 @@ std::vector<Field> make_fields() {
   f.push_back(int_field("aio.thread_count", ZEAL_GET(aio.thread_count), 1, 1024, "I/O submission threads"));
   f.push_back(bool_field("aio.single_submit", ZEAL_GET(aio.single_submit), "Submit requests one at a time"));
   f.push_back(bool_field("aio.overlap_events", ZEAL_GET(aio.overlap_events), "Overlap submission and completion"));
+  f.push_back(bool_field("aio.verify", ZEAL_GET(aio.verify),
+                         "CRC32C per block of swap files, checked on every read (zeal)"));
   // Precision.
   f.push_back(auto_bool("fp16.enabled", ZEAL_GET(fp16.enabled), "fp16 compute with dynamic loss scaling"));
   f.push_back(float_field("fp16.loss_scale", ZEAL_GET(fp16.loss_scale), kNonNegative,

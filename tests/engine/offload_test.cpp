@@ -4,7 +4,11 @@
 // 1–3 ranks, stages 1–3, fp32 and bf16, with accumulation and clipping.
 #include <gtest/gtest.h>
 
+#include <sys/mount.h>
+
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
@@ -279,6 +283,32 @@ TEST(OffloadParamNvme, GatheredModificationReachesTheDisk) {
   EXPECT_TRUE(fs::is_empty(swap));
   fs::remove_all(swap);
   fs::remove_all(out);
+}
+
+// Not enough room for the parameters on disk: prepare names the directory, what is needed and what
+// is free, before anything is trained (an 8 KiB tmpfs mounted for the test, a page of it for the
+// run's owner file; skipped where mounting is not permitted).
+TEST(OffloadParamNvme, AShortfallIsNamedBeforeTraining) {
+  namespace fs = std::filesystem;
+  const fs::path root = temp_dir("param_swap_small");
+  if (::mount("tmpfs", root.c_str(), "tmpfs", 0, "size=8k") != 0) {
+    const std::string why = std::strerror(errno);
+    fs::remove_all(root);
+    GTEST_SKIP() << "cannot mount a small tmpfs here (" << why << ")";
+  }
+  RunSpec s;
+  s.stage = 3;
+  s.world = 2;
+  s.param_nvme_path = root.string();
+  const std::string e = error_on_one_rank("param_swap_small_run", [&](zeal::Runtime& rt) {
+    zeal::Engine engine(make_config(s), rt);
+    zeal_test::Setup u = make_setup(s);
+    (void)engine.prepare(u.model, *u.opt);
+  });
+  ::umount(root.c_str());
+  fs::remove_all(root);
+  EXPECT_NE(e.find("the parameters offloaded to nvme (offload_param) needs"), std::string::npos) << e;
+  EXPECT_NE(e.find("in " + root.string() + ", but its file system has"), std::string::npos) << e;
 }
 
 }  // namespace

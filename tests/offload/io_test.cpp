@@ -4,6 +4,7 @@
 // short to read) is an IoError naming the file, the offset and the size.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "offload/crc32c.h"
 #include "offload/io.h"
 #include "offload/swap_dir.h"
 
@@ -232,6 +234,115 @@ TEST(SwapDirectory, AFileSystemWithoutDirectIoIsNamed) {
     EXPECT_NE(std::string(e.what()).find("cannot be opened for direct I/O (O_DIRECT)"), std::string::npos) << e.what();
   }
   fs::remove_all(root);
+}
+
+// CRC32C against the published check values (RFC 3720 B.4; "123456789" → e3069283) and the
+// hardware path against the table path on every length and alignment up to 64 bytes and on 1 MiB.
+TEST(Crc32c, MatchesPublishedValuesAndTheTable) {
+  const std::string digits = "123456789";
+  EXPECT_EQ(crc32c(digits.data(), digits.size()), 0xE3069283u);
+  EXPECT_EQ(crc32c_table(digits.data(), digits.size()), 0xE3069283u);
+  std::vector<unsigned char> zeros(32, 0), ones(32, 0xFF), inc(32), dec(32);
+  for (int i = 0; i < 32; ++i) {
+    inc[i] = static_cast<unsigned char>(i);
+    dec[i] = static_cast<unsigned char>(31 - i);
+  }
+  EXPECT_EQ(crc32c(zeros.data(), 32), 0x8A9136AAu);
+  EXPECT_EQ(crc32c(ones.data(), 32), 0x62A8AB43u);
+  EXPECT_EQ(crc32c(inc.data(), 32), 0x46DD794Eu);
+  EXPECT_EQ(crc32c(dec.data(), 32), 0x113FDB5Cu);
+  AlignedBuffer b(1 << 20);
+  fill_random(b, 9);
+  for (size_t off = 0; off < 8; ++off)
+    for (size_t n = 0; n <= 64; ++n) ASSERT_EQ(crc32c(b.data() + off, n), crc32c_table(b.data() + off, n)) << off << " " << n;
+  EXPECT_EQ(crc32c(b.data(), 1 << 20), crc32c_table(b.data(), 1 << 20));
+  // Continuing a CRC over two pieces is the CRC of the whole.
+  EXPECT_EQ(crc32c(b.data() + 1000, (1 << 20) - 1000, crc32c(b.data(), 1000)), crc32c(b.data(), 1 << 20));
+}
+
+// aio.verify: a byte changed on disk behind the swap file's back is found when its block is read
+// back, naming the file, the block's offset and size; without verify the same read passes.
+TEST(SwapVerify, AChangedByteIsNamedWithItsBlock) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("zeal_verify_" + std::to_string(::getpid()));
+  fs::create_directories(root);
+  for (const bool verify : {true, false}) {
+    IoOptions o;
+    o.block_size = 256 << 10;
+    o.verify = verify;
+    std::shared_ptr<IoEngine> io = make_io_engine(o);
+    auto dir = std::make_shared<SwapDir>(root.string(), verify ? "verify" : "plain", 0);
+    SwapFile f(dir, io, "state.swp");
+    AlignedBuffer out(1 << 20), in(1 << 20);
+    fill_random(out, 4);
+    f.write(out.data(), out.size(), 0);
+    f.read(in.data(), in.size(), 0);  // unchanged: passes
+    EXPECT_EQ(std::memcmp(in.data(), out.data(), out.size()), 0);
+    {
+      const int fd = ::open(f.path().c_str(), O_WRONLY);
+      ASSERT_GE(fd, 0);
+      const char x = static_cast<char>(out.data()[600000] ^ 0x01);
+      ASSERT_EQ(::pwrite(fd, &x, 1, 600000), 1);
+      ::fsync(fd);
+      ::close(fd);
+    }
+    try {
+      f.read(in.data(), in.size(), 0);
+      EXPECT_FALSE(verify) << "the changed byte was not noticed";
+      EXPECT_EQ(in.data()[600000], static_cast<char>(out.data()[600000] ^ 0x01)) << "the read did not see the change";
+    } catch (const IoError& e) {
+      EXPECT_TRUE(verify) << e.what();
+      EXPECT_EQ(e.path(), f.path());
+      EXPECT_EQ(e.offset(), 524288);  // the 256 KiB block holding byte 600000
+      EXPECT_EQ(e.bytes(), 262144);
+      EXPECT_NE(std::string(e.what()).find("does not hold what was written there"), std::string::npos) << e.what();
+    }
+  }
+  fs::remove_all(root);
+}
+
+// A real file system that fills up (a 1 MiB tmpfs mounted for the test; skipped where mounting is
+// not permitted): the write that does not fit is an IoError with ENOSPC naming the file, an offset
+// inside it and the request's size, and the swap file is gone once it is dropped.
+TEST(IoFailures, AFullFileSystemIsNamed) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("zeal_full_" + std::to_string(::getpid()));
+  fs::create_directories(root);
+  if (::mount("tmpfs", root.c_str(), "tmpfs", 0, "size=1m") != 0) {
+    const std::string why = std::strerror(errno);
+    fs::remove_all(root);
+    GTEST_SKIP() << "cannot mount a small tmpfs here (" << why << ")";
+  }
+  struct Unmount {
+    fs::path p;
+    ~Unmount() {
+      ::umount(p.c_str());
+      fs::remove_all(p);
+    }
+  } unmount{root};
+  IoOptions o;
+  o.block_size = 256 << 10;
+  std::shared_ptr<IoEngine> io = make_io_engine(o);
+  auto dir = std::make_shared<SwapDir>(root.string(), "full", 0);
+  std::string path;
+  {
+    SwapFile f(dir, io, "state.swp");
+    path = f.path();
+    AlignedBuffer b(4 << 20);
+    try {
+      f.write(b.data(), b.size(), 0);
+      ADD_FAILURE() << "4 MiB fit in a 1 MiB file system";
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.error(), ENOSPC) << e.what();
+      EXPECT_EQ(e.path(), path);
+      EXPECT_GE(e.offset(), 0);
+      EXPECT_LT(e.offset(), 4 << 20);
+      EXPECT_EQ(e.bytes(), 256 << 10);
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::strerror(ENOSPC)), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_FALSE(fs::exists(path)) << "the swap file outlived its failure";
 }
 
 }  // namespace
