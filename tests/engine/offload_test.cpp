@@ -38,6 +38,17 @@ void PrintTo(const OffloadCase& c, std::ostream* os) {
   *os << "stage " << c.stage << ", " << c.world << " ranks, " << c.precision << ", accumulation " << c.accumulation;
 }
 
+// The same bits as the run without offload: parameters after every step, losses and norms.
+void expect_bit_identical(const RunResult& plain, const RunResult& off) {
+  ASSERT_EQ(plain.params.size(), off.params.size());
+  for (size_t r = 0; r < off.params.size(); ++r) {
+    EXPECT_TRUE(at::equal(plain.params[r], off.params[r])) << "rank " << r << ": final parameters differ";
+    EXPECT_TRUE(at::equal(plain.trajectory[r], off.trajectory[r])) << "rank " << r << ": parameters differ on the way";
+  }
+  EXPECT_TRUE(at::equal(plain.losses, off.losses));
+  EXPECT_TRUE(at::equal(plain.norms, off.norms));
+}
+
 class OffloadCpu : public ::testing::TestWithParam<OffloadCase> {};
 
 TEST_P(OffloadCpu, TrainsBitIdenticalToNoOffload) {
@@ -50,14 +61,7 @@ TEST_P(OffloadCpu, TrainsBitIdenticalToNoOffload) {
   const RunResult plain = run_engine(s, "offload_off_" + case_name({c, 0}));
   s.offload = true;
   const RunResult off = run_engine(s, "offload_on_" + case_name({c, 0}));
-  ASSERT_EQ(plain.params.size(), off.params.size());
-  for (size_t r = 0; r < off.params.size(); ++r) {
-    EXPECT_TRUE(at::equal(plain.params[r], off.params[r])) << "rank " << r << ": parameters differ after "
-                                                           << s.steps << " steps";
-    EXPECT_TRUE(at::equal(plain.trajectory[r], off.trajectory[r])) << "rank " << r;
-  }
-  EXPECT_TRUE(at::equal(plain.losses, off.losses));
-  EXPECT_TRUE(at::equal(plain.norms, off.norms));
+  expect_bit_identical(plain, off);
   // What the offload manager holds: an fp32 master (4 B), m and v (8 B), and the step's fp32
   // gradient (4 B) and compute-precision result (P B) buffers for every element this rank owns.
   const double p_bytes = c.precision == "no" ? 4 : 2;
@@ -111,12 +115,7 @@ TEST_P(OffloadNvme, TrainsBitIdenticalToNoOffload) {
   if (c.threads) ::setenv("ZEAL_OFFLOAD_IO", "threads", 1);
   const RunResult off = run_engine(s, "nvme_on");
   ::unsetenv("ZEAL_OFFLOAD_IO");
-  for (size_t r = 0; r < off.params.size(); ++r) {
-    EXPECT_TRUE(at::equal(plain.params[r], off.params[r])) << "rank " << r;
-    EXPECT_TRUE(at::equal(plain.trajectory[r], off.trajectory[r])) << "rank " << r;
-  }
-  EXPECT_TRUE(at::equal(plain.losses, off.losses));
-  EXPECT_TRUE(at::equal(plain.norms, off.norms));
+  expect_bit_identical(plain, off);
   const double p_bytes = c.precision == "no" ? 4 : 2;
   for (size_t r = 0; r < off.params.size(); ++r) {
     const double owned = plain.memory[r][3].item<double>() / 8;  // Adam's state: 8 bytes per owned element
@@ -206,12 +205,7 @@ TEST_P(OffloadParamNvme, TrainsBitIdenticalToNoOffload) {
   if (c.threads) ::setenv("ZEAL_OFFLOAD_IO", "threads", 1);
   const RunResult off = run_engine(s, "param_nvme_on");
   ::unsetenv("ZEAL_OFFLOAD_IO");
-  for (size_t r = 0; r < off.params.size(); ++r) {
-    EXPECT_TRUE(at::equal(plain.params[r], off.params[r])) << "rank " << r;
-    EXPECT_TRUE(at::equal(plain.trajectory[r], off.trajectory[r])) << "rank " << r;
-  }
-  EXPECT_TRUE(at::equal(plain.losses, off.losses));
-  EXPECT_TRUE(at::equal(plain.norms, off.norms));
+  expect_bit_identical(plain, off);
   const ShardSizes z = shard_sizes(s, c.precision == "no" ? 4 : 2);
   ASSERT_GT(z.blocks_on_disk, 0);
   for (size_t r = 0; r < off.params.size(); ++r) {
