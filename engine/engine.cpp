@@ -32,6 +32,7 @@
 #include "engine/zero/zero_optimizer.h"
 #include "offload/host_arena.h"
 #include "offload/swap_dir.h"
+#include "offload/tune.h"
 #include "kernels/cpu/adam.h"
 
 namespace zeal {
@@ -384,8 +385,30 @@ void Engine::build_zero() {
       state_->run_id = runtime_->store_get("offload/run_id");
     }
     offload::IoOptions io;
-    io.block_size = config_.aio.block_size;
-    io.queue_depth = static_cast<int>(config_.aio.queue_depth);
+    io.block_size = config_.aio.block_size.value;
+    io.queue_depth = static_cast<int>(config_.aio.queue_depth.value);
+    if (config_.aio.block_size.is_auto || config_.aio.queue_depth.is_auto) {
+      // "auto": rank 0 measures the disk under the swap path (a few seconds) and every rank takes its
+      // choice, so the whole run uses one setting.
+      const std::string& where = off == OffloadDevice::kNvme ? config_.zero.offload_optimizer.nvme_path
+                                                             : config_.zero.offload_param.nvme_path;
+      std::string chosen;
+      if (runtime_->rank() == 0) {
+        const offload::TuneResult t = offload::tune_io(where, int64_t{64} << 20, 4.0);
+        chosen = fmt::format("{} {}", t.best.block_size, t.best.queue_depth);
+        std::fprintf(stderr,
+                     "zeal: offload: aio auto: measured %s in %zu settings: block_size %lld, queue_depth %d "
+                     "(write %.2f GB/s, read %.2f GB/s)\n",
+                     where.c_str(), t.trials.size(), static_cast<long long>(t.best.block_size), t.best.queue_depth,
+                     t.best.write_bytes_per_s / 1e9, t.best.read_bytes_per_s / 1e9);
+        if (runtime_->world_size() > 1) runtime_->store_set("offload/aio", chosen);
+      } else {
+        chosen = runtime_->store_get("offload/aio");
+      }
+      const auto space = chosen.find(' ');
+      if (config_.aio.block_size.is_auto) io.block_size = std::stoll(chosen.substr(0, space));
+      if (config_.aio.queue_depth.is_auto) io.queue_depth = std::stoi(chosen.substr(space + 1));
+    }
     io.thread_count = static_cast<int>(config_.aio.thread_count);
     io.single_submit = config_.aio.single_submit;
     io.overlap_events = config_.aio.overlap_events;

@@ -78,8 +78,9 @@ struct ZeroConfig {
 };
 
 struct AioConfig {
-  int64_t block_size = 1'048'576;
-  int64_t queue_depth = 8;
+  // "auto": a short measurement of the nvme_path's disk at start-up picks them (zeal offload tune).
+  Auto<int64_t> block_size{1'048'576};
+  Auto<int64_t> queue_depth{8};
   int64_t thread_count = 1;
   bool single_submit = false;
   bool overlap_events = true;

@@ -359,10 +359,14 @@ std::vector<Field> make_fields() {
   f.push_back(bool_field("zero_optimization.hybrid_shard", ZEAL_GET(zero.hybrid_shard),
                          "Shard inside each machine, replicate across machines (HYBRID_SHARD)"));
   // Asynchronous I/O for nvme offload.
-  f.push_back({"aio.block_size", "int, multiple of 4096", "Bytes per I/O request",
-               [](Config& c, const YAML::Node& n) { c.aio.block_size = read_int(n, 1, kMaxInt); },
-               [](const Config& c) { return fmt_int(c.aio.block_size); }});
-  f.push_back(int_field("aio.queue_depth", ZEAL_GET(aio.queue_depth), 1, 65536, "I/O requests in flight"));
+  f.push_back(auto_field<int64_t>(
+      "aio.block_size", "int, multiple of 4096", ZEAL_GET(aio.block_size),
+      [](const YAML::Node& n) { return read_int(n, 1, kMaxInt); }, fmt_int,
+      "Bytes per I/O request (auto: measured at start-up)"));
+  f.push_back(auto_field<int64_t>(
+      "aio.queue_depth", "int 1..65536", ZEAL_GET(aio.queue_depth),
+      [](const YAML::Node& n) { return read_int(n, 1, 65536); }, fmt_int,
+      "I/O requests in flight (auto: measured at start-up)"));
   f.push_back(int_field("aio.thread_count", ZEAL_GET(aio.thread_count), 1, 1024, "I/O submission threads"));
   f.push_back(bool_field("aio.single_submit", ZEAL_GET(aio.single_submit), "Submit requests one at a time"));
   f.push_back(bool_field("aio.overlap_events", ZEAL_GET(aio.overlap_events), "Overlap submission and completion"));

@@ -183,9 +183,9 @@ std::vector<std::string> Config::validate() const {
     errors.push_back(fmt::format("{}: device nvme needs zero_optimization.offload_param.nvme_path "
                                  "(deepspeed_config.offload_param_nvme_path)",
                                  named(*this, "zero_optimization.offload_param.device")));
-  if (aio.block_size % 4096 != 0)
+  if (!aio.block_size.is_auto && aio.block_size.value % 4096 != 0)
     errors.push_back(fmt::format("{}: {} is not a multiple of 4096 (O_DIRECT needs whole 4 KiB blocks)",
-                                 named(*this, "aio.block_size"), aio.block_size));
+                                 named(*this, "aio.block_size"), aio.block_size.value));
   if (!fp16.enabled.is_auto && !bf16_enabled.is_auto && fp16.enabled.value && bf16_enabled.value)
     errors.push_back("fp16.enabled and bf16.enabled are both true: choose one");
   if (z.hybrid_shard && z.stage < 2)

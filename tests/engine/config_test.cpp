@@ -67,6 +67,24 @@ TEST(Config, ReferenceCopiesAreTheSharedFilesByteForByte) {
   EXPECT_EQ(read(kRoot / "configs/ds_zero3_cpu.yaml"), read(shared / "ds_zero3_cpu.yaml"));
 }
 
+// "auto" in the aio request size and queue depth is kept for the engine to measure; a number is a
+// number; a block size that is not whole 4 KiB blocks is still refused.
+TEST(Config, AioAutoIsKeptForTheEngine) {
+  Config a = parse("aio:\n  block_size: auto\n  queue_depth: auto\n");
+  EXPECT_TRUE(a.aio.block_size.is_auto);
+  EXPECT_TRUE(a.aio.queue_depth.is_auto);
+  Config n = parse("aio:\n  block_size: 262144\n  queue_depth: 4\n");
+  EXPECT_FALSE(n.aio.block_size.is_auto);
+  EXPECT_EQ(n.aio.block_size.value, 262144);
+  EXPECT_EQ(n.aio.queue_depth.value, 4);
+  try {
+    (void)parse("aio:\n  block_size: 1000\n");
+    ADD_FAILURE() << "a block size of 1000 bytes was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("not a multiple of 4096"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Config, AccelerateDeepSpeedReferenceMapsOntoZeroKeys) {
   Config c = Config::load((kRoot / "tests/data/accelerate/ds_zero3_cpu.yaml").string(), false);
   EXPECT_EQ(c.launch.distributed_type, "DEEPSPEED");
@@ -160,8 +178,8 @@ TEST(Config, DefaultsAreDeepSpeeds) {
   EXPECT_EQ(c.zero.offload_param.buffer_count, 5);
   EXPECT_EQ(c.zero.offload_param.buffer_size, 100000000);
   EXPECT_EQ(c.zero.offload_param.max_in_cpu, 1000000000);
-  EXPECT_EQ(c.aio.block_size, 1048576);
-  EXPECT_EQ(c.aio.queue_depth, 8);
+  EXPECT_EQ(c.aio.block_size.value, 1048576);
+  EXPECT_EQ(c.aio.queue_depth.value, 8);
   EXPECT_EQ(c.aio.thread_count, 1);
   EXPECT_FALSE(c.aio.single_submit);
   EXPECT_TRUE(c.aio.overlap_events);

@@ -54,6 +54,7 @@ struct RunSpec {
   int64_t sub_group = 1'000'000'000;  // sub_group_size
   std::string param_nvme_path;     // offload_param.device nvme there (stage 3)
   bool freeze_ln1 = false;         // every block's first LayerNorm frozen (a frozen layer first in a unit)
+  bool aio_auto = false;           // aio.block_size and aio.queue_depth "auto" (measured at start-up)
   // fp16 loss scaling
   int64_t initial_scale_power = 16, loss_scale_window = 1000, hysteresis = 2;
 };
@@ -151,6 +152,8 @@ inline zeal::Config make_config(const RunSpec& s) {
     c.zero.offload_param.nvme_path = s.param_nvme_path;
   }
   c.zero.sub_group_size = s.sub_group;
+  c.aio.block_size.is_auto = s.aio_auto;
+  c.aio.queue_depth.is_auto = s.aio_auto;
   return c;
 }
 

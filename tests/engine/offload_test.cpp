@@ -92,10 +92,12 @@ struct NvmeCase {
   std::string precision;
   int accumulation;
   bool threads;  // ZEAL_OFFLOAD_IO=threads
+  bool aio_auto = false;  // aio.block_size and aio.queue_depth "auto": measured by rank 0 at start-up
 };
 
 void PrintTo(const NvmeCase& c, std::ostream* os) {
-  *os << c.world << " ranks, " << c.precision << ", accumulation " << c.accumulation << (c.threads ? ", threads" : "");
+  *os << c.world << " ranks, " << c.precision << ", accumulation " << c.accumulation << (c.threads ? ", threads" : "")
+      << (c.aio_auto ? ", aio auto" : "");
 }
 
 class OffloadNvme : public ::testing::TestWithParam<NvmeCase> {};
@@ -112,6 +114,7 @@ TEST_P(OffloadNvme, TrainsBitIdenticalToNoOffload) {
   const RunResult plain = run_engine(s, "nvme_off");
   const fs::path dir = temp_dir("nvme_swap");
   s.nvme_path = dir.string();
+  s.aio_auto = c.aio_auto;
   if (c.threads) ::setenv("ZEAL_OFFLOAD_IO", "threads", 1);
   const RunResult off = run_engine(s, "nvme_on");
   ::unsetenv("ZEAL_OFFLOAD_IO");
@@ -131,7 +134,8 @@ TEST_P(OffloadNvme, TrainsBitIdenticalToNoOffload) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, OffloadNvme,
                          ::testing::Values(NvmeCase{1, "no", 1, false}, NvmeCase{2, "bf16", 2, false},
-                                           NvmeCase{3, "no", 1, false}, NvmeCase{2, "no", 2, true}));
+                                           NvmeCase{3, "no", 1, false}, NvmeCase{2, "no", 2, true},
+                                           NvmeCase{2, "bf16", 1, false, true}));
 
 // Parameters on disk (offload_param.device nvme, stage 3): every block's shards (trainable and
 // frozen) live in the rank's swap file, read back for each all-gather (prefetches included) and
