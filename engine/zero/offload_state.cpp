@@ -2,8 +2,9 @@
 
 #include <ATen/ATen.h>
 
-#include <cstring>
+#include <cstdint>
 
+#include "engine/error.h"
 #include "engine/zero/host_memory.h"
 
 namespace zeal::zero {
@@ -30,12 +31,16 @@ int64_t ParamSwap::reserve(int64_t bytes) {
 
 void ParamSwap::store(const at::Tensor& t, int64_t offset) {
   const int64_t bytes = t.numel() * t.element_size();
-  offload::AlignedBuffer buf(bytes);  // whole 4 KiB blocks, the tail zero
   if (t.device().is_cpu()) {
-    std::memcpy(buf.data(), t.data_ptr(), static_cast<size_t>(bytes));
-  } else {
-    at::from_blob(buf.data(), {t.numel()}, t.options().device(at::kCPU)).copy_(t);
+    // Mapped storage (alloc_storage_mapped): page-aligned whole pages, the tail past the tensor's
+    // bytes zero, so it goes to disk as it is.
+    ZEAL_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % offload::kIoAlign == 0)
+        << "a parameter shard stored from storage that is not mapped";
+    file_.write(t.data_ptr(), round_up(bytes, offload::kIoAlign), offset);
+    return;
   }
+  offload::AlignedBuffer buf(bytes);  // whole 4 KiB blocks, the tail zero
+  at::from_blob(buf.data(), {t.numel()}, t.options().device(at::kCPU)).copy_(t);
   file_.write(buf.data(), buf.size(), offset);
 }
 

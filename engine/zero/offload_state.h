@@ -34,7 +34,8 @@ class ParamSwap {
   ParamSwap(std::shared_ptr<offload::SwapDir> dir, std::shared_ptr<offload::IoEngine> io);
   // A region of `bytes` (rounded up to 4 KiB) at the end of the file; returns its offset.
   int64_t reserve(int64_t bytes);
-  // Writes t's bytes (a contiguous tensor with storage, on any device) at `offset`.
+  // Writes t's bytes at `offset`: a contiguous tensor on a GPU, or on the CPU with mapped storage
+  // (alloc_storage_mapped), which is written as it is, without a copy.
   void store(const at::Tensor& t, int64_t offset);
   // Gives t's storage its bytes again and reads them from `offset`.
   void load(const at::Tensor& t, int64_t offset);

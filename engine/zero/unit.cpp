@@ -79,6 +79,13 @@ void Unit::shards_to_disk() {
   for (Part* part : {&train_, &frozen_}) {
     if (!part->layout) continue;
     part->swap_offset = swap.reserve(part->shard.nbytes());
+    if (part->shard.device().is_cpu()) {
+      // Into mapped storage, as every later load gives it, so stores need no bounce buffer.
+      const at::Tensor values = part->shard.clone();
+      free_storage(part->shard);
+      alloc_storage_mapped(part->shard);
+      part->shard.copy_(values);
+    }
     swap.store(part->shard, part->swap_offset);
     free_storage(part->shard);
   }
