@@ -4,13 +4,16 @@
 // 1–3 ranks, stages 1–3, fp32 and bf16, with accumulation and clipping.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <sys/mount.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <ostream>
 #include <string>
@@ -116,8 +119,21 @@ TEST_P(OffloadNvme, TrainsBitIdenticalToNoOffload) {
   s.nvme_path = dir.string();
   s.aio_auto = c.aio_auto;
   if (c.threads) ::setenv("ZEAL_OFFLOAD_IO", "threads", 1);
+  // The ranks' standard error, to see the start-up measurement "auto" asks for.
+  const std::string err_path = dir.string() + ".stderr";
+  std::fflush(stderr);
+  const int saved_err = ::dup(2), err_fd = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  ::dup2(err_fd, 2);
   const RunResult off = run_engine(s, "nvme_on");
+  std::fflush(stderr);
+  ::dup2(saved_err, 2);
+  ::close(saved_err);
+  ::close(err_fd);
   ::unsetenv("ZEAL_OFFLOAD_IO");
+  std::ifstream err_file(err_path);
+  const std::string err((std::istreambuf_iterator<char>(err_file)), std::istreambuf_iterator<char>());
+  fs::remove(err_path);
+  EXPECT_EQ(err.find("zeal: offload: aio auto: measured " + dir.string()) != std::string::npos, c.aio_auto) << err;
   expect_bit_identical(plain, off);
   const double p_bytes = c.precision == "no" ? 4 : 2;
   for (size_t r = 0; r < off.params.size(); ++r) {
