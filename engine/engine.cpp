@@ -441,10 +441,16 @@ void Engine::build_zero() {
     nv->dir = swap_dir(config_.zero.offload_optimizer.nvme_path);
     nv->io = state_->io;
     nv->sub_group_elems = config_.zero.sub_group_size;
+    nv->buffer_sets = static_cast<int>(std::min<int64_t>(config_.zero.offload_optimizer.buffer_count, 3));
     state_->nvme = nv;
   }
   if (param_nvme && !state_->param_swap) {
-    state_->param_swap = std::make_shared<zero::ParamSwap>(swap_dir(config_.zero.offload_param.nvme_path), state_->io);
+    zero::ParamSwapOptions po;
+    po.buffer_count = config_.zero.offload_param.buffer_count;
+    po.buffer_elems = config_.zero.offload_param.buffer_size;
+    po.max_in_cpu = config_.zero.offload_param.max_in_cpu;
+    state_->param_swap =
+        std::make_shared<zero::ParamSwap>(swap_dir(config_.zero.offload_param.nvme_path), state_->io, po);
   }
   if (stage3) {
     zero::Stage3Options o3;
@@ -800,6 +806,11 @@ Engine::FetchCounts Engine::fetch_counts() const {
     return {s3->fetch().gathers(), s3->fetch().prefetched(), s3->fetch().retraced()};
   }
   return {};
+}
+
+Engine::DiskReads Engine::param_disk_reads() const {
+  if (!state_->param_swap) return {};
+  return {state_->param_swap->read_ahead_count(), state_->param_swap->waited_reads()};
 }
 
 int Engine::zero_stage() const { return static_cast<int>(config_.zero.stage); }

@@ -251,6 +251,12 @@ class Engine {
     int64_t gathers = 0, prefetched = 0, retraced = 0;
   };
   FetchCounts fetch_counts() const;
+  // offload_param nvme: unit shards read from disk ahead of their all-gather (on the reader
+  // thread), and of those the ones still being read when the gather needed them.
+  struct DiskReads {
+    int64_t ahead = 0, waited = 0;
+  };
+  DiskReads param_disk_reads() const;
   int zero_stage() const;
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   template <class M>

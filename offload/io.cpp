@@ -2,6 +2,7 @@
 
 #include <liburing.h>
 #include <sys/statvfs.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,6 +30,18 @@ class UringEngine final : public IoEngine {
   ~UringEngine() override { io_uring_queue_exit(&ring_); }
   const char* kind() const override { return "io_uring"; }
 
+  bool register_buffer(void* buf, int64_t bytes) override {
+    if (bytes <= 0 || bytes > (int64_t{1} << 30)) return false;  // the kernel's limit per buffer
+    if (!regs_.empty()) io_uring_unregister_buffers(&ring_);
+    regs_.push_back({buf, static_cast<size_t>(bytes)});
+    if (io_uring_register_buffers(&ring_, regs_.data(), static_cast<unsigned>(regs_.size())) == 0) return true;
+    regs_.pop_back();
+    if (!regs_.empty() && io_uring_register_buffers(&ring_, regs_.data(), static_cast<unsigned>(regs_.size())) != 0) {
+      regs_.clear();  // not even the earlier set again: plain requests from now on
+    }
+    return false;
+  }
+
  protected:
   void transfer(Op op, int fd, const std::string& path, char* buf, int64_t bytes, int64_t offset) override {
     struct Req {
@@ -38,6 +51,13 @@ class UringEngine final : public IoEngine {
     for (int64_t at = 0; at < bytes; at += options_.block_size) reqs.push_back({at, std::min(options_.block_size, bytes - at)});
     const int64_t base = requests_;  // requests are numbered in the order they are issued
     requests_ += static_cast<int64_t>(reqs.size());
+    // The registered buffer holding the whole transfer, if any.
+    int fixed = -1;
+    for (size_t i = 0; i < regs_.size(); ++i) {
+      char* b = static_cast<char*>(regs_[i].iov_base);
+      if (buf >= b && buf + bytes <= b + regs_[i].iov_len) fixed = static_cast<int>(i);
+    }
+    if (fixed >= 0) fixed_requests_ += static_cast<int64_t>(reqs.size());
     size_t next = 0, done = 0;
     int in_flight = 0;
     // The first failure is reported after the requests in flight have completed (their buffers
@@ -49,7 +69,15 @@ class UringEngine final : public IoEngine {
         io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
         if (!sqe) break;
         const Req& r = reqs[next];
-        if (op == Op::kWrite) {
+        if (fixed >= 0) {
+          if (op == Op::kWrite) {
+            io_uring_prep_write_fixed(sqe, fd, buf + r.off, static_cast<unsigned>(r.len),
+                                      static_cast<uint64_t>(offset + r.off), fixed);
+          } else {
+            io_uring_prep_read_fixed(sqe, fd, buf + r.off, static_cast<unsigned>(r.len),
+                                     static_cast<uint64_t>(offset + r.off), fixed);
+          }
+        } else if (op == Op::kWrite) {
           io_uring_prep_write(sqe, fd, buf + r.off, static_cast<unsigned>(r.len), static_cast<uint64_t>(offset + r.off));
         } else {
           io_uring_prep_read(sqe, fd, buf + r.off, static_cast<unsigned>(r.len), static_cast<uint64_t>(offset + r.off));
@@ -102,6 +130,7 @@ class UringEngine final : public IoEngine {
   }
 
   io_uring ring_;
+  std::vector<iovec> regs_;  // registered buffers, by index
 };
 
 // pread/pwrite on thread_count threads, each taking the next block.

@@ -60,6 +60,18 @@ class IoEngine {
   void write(int fd, const std::string& path, const void* buf, int64_t bytes, int64_t offset);
   void read(int fd, const std::string& path, void* buf, int64_t bytes, int64_t offset);
   virtual const char* kind() const = 0;  // "io_uring" or "threads"
+  // io_uring's registered (fixed) buffers: the kernel pins and maps `bytes` at `buf` once, and every
+  // later request lying inside it skips the per-request page mapping. Adds to the buffers already
+  // registered; returns false, leaving them as they were, where the kernel refuses (a locked-memory
+  // limit, a buffer over 1 GiB) or the engine is the thread pool. Call it while no transfer runs.
+  virtual bool register_buffer(void* buf, int64_t bytes) {
+    (void)buf;
+    (void)bytes;
+    return false;
+  }
+  // Requests issued over the engine's life, and those of them that used a registered buffer.
+  int64_t requests() const { return requests_; }
+  int64_t fixed_requests() const { return fixed_requests_; }
   const IoOptions& options() const { return options_; }
   void inject(const FaultInjection& f) { fault_ = f; }
 
@@ -75,6 +87,7 @@ class IoEngine {
   IoOptions options_;
   FaultInjection fault_;
   int64_t requests_ = 0;  // issued over the engine's life
+  int64_t fixed_requests_ = 0;
 };
 
 // io_uring unless it cannot be used here or `force_threads`; `why_not_uring` receives the reason

@@ -280,7 +280,7 @@ std::vector<Field> make_fields() {
                          ZEAL_GET(zero.offload_optimizer.pin_memory), "Page-locked host buffers"));
   f.push_back(int_field("zero_optimization.offload_optimizer.buffer_count",
                         ZEAL_GET(zero.offload_optimizer.buffer_count), 1, 1024,
-                        "Buffers in flight to and from nvme"));
+                        "Window sets of the nvme optimizer step (up to 3 used)"));
   f.push_back(bool_field("zero_optimization.offload_optimizer.fast_init",
                          ZEAL_GET(zero.offload_optimizer.fast_init), "Skip writing initial states to nvme"));
   f.push_back(float_field("zero_optimization.offload_optimizer.ratio", ZEAL_GET(zero.offload_optimizer.ratio),
@@ -292,11 +292,11 @@ std::vector<Field> make_fields() {
   f.push_back(bool_field("zero_optimization.offload_param.pin_memory", ZEAL_GET(zero.offload_param.pin_memory),
                          "Page-locked host buffers"));
   f.push_back(int_field("zero_optimization.offload_param.buffer_count",
-                        ZEAL_GET(zero.offload_param.buffer_count), 1, 1024, "Parameter buffers for nvme"));
+                        ZEAL_GET(zero.offload_param.buffer_count), 1, 1024, "Units read ahead from nvme"));
   f.push_back(int_field("zero_optimization.offload_param.buffer_size", ZEAL_GET(zero.offload_param.buffer_size),
-                        1, kMaxInt, "Elements per parameter buffer for nvme"));
+                        1, kMaxInt, "Elements per read-ahead buffer for nvme"));
   f.push_back(int_field("zero_optimization.offload_param.max_in_cpu", ZEAL_GET(zero.offload_param.max_in_cpu),
-                        0, kMaxInt, "Elements kept in host memory when offloading to nvme"));
+                        0, kMaxInt, "Shard elements per rank kept in host memory instead of nvme"));
   f.push_back(bool_field("zero_optimization.overlap_comm", ZEAL_GET(zero.overlap_comm),
                          "Reduce gradients while backward runs (default: true for stage 3)"));
   f.push_back(bool_field("zero_optimization.contiguous_gradients", ZEAL_GET(zero.contiguous_gradients),

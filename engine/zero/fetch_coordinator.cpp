@@ -64,7 +64,8 @@ void FetchCoordinator::prefetch_after(const Unit& u, const Order& o, size_t from
   const int64_t base = persistent_bytes_ + u.gathered_bytes();
   const size_t n = o.trace.size();
   const size_t count = cyclic ? n - 1 : (from < n ? n - from : 0);
-  for (size_t k = 0; k < count && budget > 0; ++k) {
+  size_t k = 0;
+  for (; k < count && budget > 0; ++k) {
     Unit& v = *units_[o.trace[cyclic ? (from + k) % n : from + k]];
     if (&v == &u) {
       if (cyclic) break;  // around the cycle: the next use of this very unit
@@ -75,6 +76,18 @@ void FetchCoordinator::prefetch_after(const Unit& u, const Order& o, size_t from
     v.gather(false, "prefetch");
     ++prefetched_;
     budget -= v.numel();
+  }
+  if (!opts_.param_swap) return;
+  // offload_param nvme: the units after those, read from disk while this one computes, as far as
+  // the read-ahead buffers go.
+  for (; k < count; ++k) {
+    Unit& v = *units_[o.trace[cyclic ? (from + k) % n : from + k]];
+    if (&v == &u) {
+      if (cyclic) break;
+      continue;
+    }
+    if (v.state() != Unit::State::kReleased || v.persistent() || !v.shards_on_disk()) continue;
+    if (v.read_ahead() < 0) break;
   }
 }
 

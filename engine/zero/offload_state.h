@@ -7,7 +7,12 @@
 
 #include <ATen/Tensor.h>
 
+#include <condition_variable>
+#include <deque>
+#include <future>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 #include "offload/host_arena.h"
 #include "offload/swap_dir.h"
@@ -23,15 +28,31 @@ struct NvmeOffload {
   std::shared_ptr<offload::SwapDir> dir;
   std::shared_ptr<offload::IoEngine> io;
   int64_t sub_group_elems = 1'000'000'000;  // sub_group_size: elements updated per window
+  int buffer_sets = 3;                      // offload_optimizer.buffer_count, at most 3 used
 };
 
-// offload_param.device nvme (stage 3): the shards of the units that are not persistent live in one
-// swap file per rank, each part's shard in its own 4 KiB-aligned region, written once when the
-// unit is built and after every optimizer step, read back when the unit is gathered (its prefetch
-// included, so along the fetch coordinator's recorded order) and freed once its all-gather is done.
+// offload_param.device nvme (stage 3): the shards of the units that are not persistent (and not
+// kept in host memory under max_in_cpu) live in one swap file per rank, each part's shard in its
+// own 4 KiB-aligned region, written once when the unit is built and after every optimizer step, and
+// read back for the unit's all-gather. Reads run ahead on a reader thread with its own I/O engine:
+// along the fetch coordinator's recorded order, the units after those being prefetched are read
+// while the current one computes, at most `buffer_count` shards and `buffer_count` × `buffer_size`
+// elements at a time (offload_param.buffer_count / buffer_size). A shard read ahead is freed once
+// its all-gather is done, like one read on demand.
+struct ParamSwapOptions {
+  int64_t buffer_count = 5;
+  int64_t buffer_elems = 100'000'000;
+  int64_t max_in_cpu = 1'000'000'000;  // elements of shards per rank kept in host memory instead
+};
+
 class ParamSwap {
  public:
-  ParamSwap(std::shared_ptr<offload::SwapDir> dir, std::shared_ptr<offload::IoEngine> io);
+  ParamSwap(std::shared_ptr<offload::SwapDir> dir, std::shared_ptr<offload::IoEngine> io,
+            ParamSwapOptions options = {});
+  ~ParamSwap();
+  ParamSwap(const ParamSwap&) = delete;
+  ParamSwap& operator=(const ParamSwap&) = delete;
+  const ParamSwapOptions& options() const { return options_; }
   // A region of `bytes` (rounded up to 4 KiB) at the end of the file; returns its offset.
   int64_t reserve(int64_t bytes);
   // Writes t's bytes at `offset`: a contiguous tensor on a GPU, or on the CPU with mapped storage
@@ -39,12 +60,40 @@ class ParamSwap {
   void store(const at::Tensor& t, int64_t offset);
   // Gives t's storage its bytes again and reads them from `offset`.
   void load(const at::Tensor& t, int64_t offset);
+
+  // Read-ahead of a CPU shard: whether `elems` more fit the buffers now; then start (t gets mapped
+  // storage now, its bytes on the reader thread); finish() waits for one started read (rethrowing
+  // its I/O error) and gives its room back.
+  bool has_room(int64_t elems) const;
+  struct Reading {
+    std::shared_future<void> done;
+    int64_t elems = 0;
+    bool valid() const { return done.valid(); }
+  };
+  Reading start_read(const at::Tensor& t, int64_t offset);
+  void finish(Reading& r);
+  int64_t read_ahead_count() const { return read_ahead_count_; }  // reads started ahead, over the run
+  int64_t waited_reads() const { return waited_reads_; }          // of them, not done when needed
+
   int64_t disk_bytes() const { return end_; }
   offload::SwapDir& dir() { return file_.dir(); }
+  offload::SwapFile& file() { return file_; }
 
  private:
+  void reader_loop();
+
+  ParamSwapOptions options_;
   offload::SwapFile file_;
   int64_t end_ = 0;
+  // The reader thread and its engine; jobs run in the order they were started.
+  std::unique_ptr<offload::IoEngine> reader_io_;
+  std::thread reader_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::packaged_task<void()>> jobs_;
+  bool stop_ = false;
+  int64_t in_flight_ = 0, in_flight_elems_ = 0;  // started and not yet finished
+  int64_t read_ahead_count_ = 0, waited_reads_ = 0;
 };
 
 }  // namespace zeal::zero

@@ -191,7 +191,7 @@ int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 }  // namespace
 
 void ShardStep::offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::shared_ptr<offload::SwapFile> file,
-                                int64_t window) {
+                                int64_t window, int buffer_sets) {
   ZEAL_CHECK(!arena_ && !swap_) << "a partition offloaded twice";
   ZEAL_CHECK(master_.defined()) << "an offloaded partition keeps its master weights apart from the parameters";
   if (!optimizer_->fused()) {
@@ -207,10 +207,16 @@ void ShardStep::offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::
   region_bytes_ = round_up(total_ * 4, offload::kIoAlign);
   swap_->dir().require(3 * region_bytes_, "the optimizer state offloaded to nvme");
   writer_ = offload::make_io_engine(swap_->io().options(), std::string(swap_->io().kind()) == "threads");
-  for (int k = 0; k < 3; ++k) {
+  sets_ = std::clamp(buffer_sets, 1, 3);
+  for (int k = 0; k < sets_; ++k) {
     win_master_[k] = arena_tensor(arena_, window_, at::kFloat);
     win_m_[k] = arena_tensor(arena_, window_, at::kFloat);
     win_v_[k] = arena_tensor(arena_, window_, at::kFloat);
+    for (const at::Tensor* t : {&win_master_[k], &win_m_[k], &win_v_[k]}) {
+      // Registered with both engines (a refusal leaves plain requests: same bytes, a little more CPU).
+      swap_->io().register_buffer(t->data_ptr(), round_up(window_ * 4, offload::kIoAlign));
+      writer_->register_buffer(t->data_ptr(), round_up(window_ * 4, offload::kIoAlign));
+    }
   }
   host_grad_ = arena_tensor(arena_, window_, at::kFloat);
   const at::ScalarType out_type = pieces_.empty() ? at::kFloat : pieces_[0].out.scalar_type();
@@ -255,13 +261,20 @@ void ShardStep::apply_nvme(double inv_scale) {
       if (w.valid()) w.wait();
     }
   } drain{reading, writing};
+  const int S = sets_;
   if (total_ > 0) read(0, 0);
   for (int64_t a = 0, i = 0; a < total_; a += window_, ++i) {
-    const int k = static_cast<int>(i % 3);
+    const int k = static_cast<int>(i % S);
     const int64_t len = std::min(window_, total_ - a);
     const int64_t prev = a - window_, next = a + window_;
-    if (next < total_) reading = std::async(std::launch::async, [&, next, k] { read(next, (k + 1) % 3); });
-    if (prev >= 0) writing = std::async(std::launch::async, [&, prev, k] { write(prev, (k + 2) % 3); });
+    // Window i+1 comes into the next set while this one is updated (two sets or more); window i−1
+    // leaves from the previous set (three sets; with fewer, each window is written after its update).
+    if (S >= 2 && next < total_) {
+      reading = std::async(std::launch::async, [&, next, i] { read(next, static_cast<int>((i + 1) % S)); });
+    }
+    if (S >= 3 && prev >= 0) {
+      writing = std::async(std::launch::async, [&, prev, i] { write(prev, static_cast<int>((i + 2) % S)); });
+    }
     std::vector<optim::FusedSegment> segments;
     struct Back {
       const Piece* piece;
@@ -292,7 +305,8 @@ void ShardStep::apply_nvme(double inv_scale) {
     for (const Back& b : back) b.piece->out.narrow(0, b.lo - b.piece->offset, b.n).copy_(host_out_.narrow(0, b.lo - a, b.n));
     if (writing.valid()) writing.get();  // rethrows an I/O error
     if (reading.valid()) reading.get();
-    if (next >= total_) write(a, k);
+    if (S < 3 || next >= total_) write(a, k);
+    if (S == 1 && next < total_) read(next, 0);
   }
   if (!grad32_.is_same(alias_)) grad32_ = alias_;
   grad32_ready_ = false;

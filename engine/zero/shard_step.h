@@ -64,12 +64,16 @@ class ShardStep {
   bool offloaded() const { return arena_ != nullptr; }
   // NVMe offload (instead of offload_to): the master (a separate tensor) and the optimizer state
   // (fused Adam) move into `file`, [master | m | v], and the step runs window by window of
-  // `window` elements (sub_group_size), pipelined: while window i is updated, window i−1 is
-  // written back and window i+1 read, each on its own thread and I/O engine. Host memory: three
-  // sets of master, m and v windows plus the gradient and result windows, in the arena.
-  // Bit-identical to the step without offload.
+  // `window` elements (sub_group_size) through `buffer_sets` sets of master, m and v windows
+  // (offload_optimizer.buffer_count; more than 3 add nothing): with 3, while window i is updated,
+  // window i−1 is written back and window i+1 read, each on its own thread and I/O engine; with 2,
+  // the read of i+1 overlaps the update of i and the write-back follows it; with 1, read, update
+  // and write take turns. The sets are io_uring registered buffers where the kernel allows. Host
+  // memory: the sets plus the gradient and result windows, in the arena. Bit-identical to the
+  // step without offload.
   void offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::shared_ptr<offload::SwapFile> file,
-                       int64_t window);
+                       int64_t window, int buffer_sets = 3);
+  int buffer_sets() const { return sets_; }
   // Bytes of this partition's state on disk (NVMe offload), else 0.
   int64_t disk_bytes() const { return swap_ ? 3 * region_bytes_ : 0; }
   // Multiplies the gradients by c: deferred into the update's multiplier when possible.
@@ -105,7 +109,8 @@ class ShardStep {
 
   std::shared_ptr<offload::SwapFile> swap_;  // NVMe offload
   int64_t window_ = 0, region_bytes_ = 0;
-  // Three sets: one updated while the previous is written back and the next read.
+  // Up to three sets: one updated while the previous is written back and the next read.
+  int sets_ = 3;
   at::Tensor win_master_[3], win_m_[3], win_v_[3];
   std::unique_ptr<offload::IoEngine> writer_;  // the write-back's own engine (the file's reads)
 

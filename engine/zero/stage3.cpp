@@ -5,6 +5,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <iostream>
@@ -146,9 +147,11 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
     alias_master[g] = !opts_.offload && !opts_.param_swap &&
                       ShardStep::can_alias(*groups[g].optimizer, opts_.compute_dtype, opts_.device);
   }
+  // offload_param nvme: which units' shards go to disk. Units that are not persistent, in build
+  // order, keep theirs in host memory while they fit max_in_cpu elements per rank; the rest go.
+  std::vector<char> to_disk(units_.size(), 0);
   if (opts_.param_swap) {
-    // The shards that will go to disk, before anything is written: a shortfall is named now.
-    int64_t need = 0;
+    int64_t need = 0, kept = 0, kept_units = 0, disk_units = 0;
     for (size_t i = 1; i < units_.size(); ++i) {
       int64_t n = 0, esize = c10::elementSize(opts_.compute_dtype);
       for (const Unit::Part* part : {&units_[i]->train_, &units_[i]->frozen_}) {
@@ -157,9 +160,25 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
           esize = std::max<int64_t>(esize, p.element_size());
         }
       }
-      if (n > opts_.persistence_threshold) need += (n + comm_.world_size() - 1) / comm_.world_size() * esize + 2 * 4096;
+      if (n <= opts_.persistence_threshold) continue;
+      const int64_t shard = (n + comm_.world_size() - 1) / comm_.world_size();
+      if (kept + shard <= opts_.param_swap->options().max_in_cpu) {
+        kept += shard;
+        ++kept_units;
+        continue;
+      }
+      to_disk[i] = 1;
+      ++disk_units;
+      need += shard * esize + 2 * 4096;  // the shards that will go to disk, before anything is written
     }
     opts_.param_swap->dir().require(need, "the parameters offloaded to nvme (offload_param)");
+    if (comm_.rank() == 0) {
+      std::fprintf(stderr,
+                   "zeal: offload_param nvme: %lld units on disk, %lld kept in host memory (%lld elements per rank, "
+                   "max_in_cpu %lld)\n",
+                   static_cast<long long>(disk_units), static_cast<long long>(kept_units),
+                   static_cast<long long>(kept), static_cast<long long>(opts_.param_swap->options().max_in_cpu));
+    }
   }
   int64_t persistent_bytes = 0;
   for (auto& u : units_) {
@@ -202,7 +221,7 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
     if (u->persistent_) persistent_bytes += u->gathered_bytes();
     fetch_->add_gathered(u->gathered_bytes());
     u->release();
-    if (opts_.param_swap && !u->persistent_) u->shards_to_disk();
+    if (to_disk[u->index()] && !u->persistent_) u->shards_to_disk();
   }
   root_released_in_step_ = units_[0]->numel() > opts_.persistence_threshold;
   fetch_->set_persistent_bytes(persistent_bytes);
@@ -218,7 +237,7 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
       steps_.back().offload_to_nvme(opts_.offload,
                                     std::make_shared<offload::SwapFile>(opts_.nvme->dir, opts_.nvme->io,
                                                                         "optimizer_group" + std::to_string(g) + ".swp"),
-                                    opts_.nvme->sub_group_elems);
+                                    opts_.nvme->sub_group_elems, opts_.nvme->buffer_sets);
     } else if (opts_.offload) {
       steps_.back().offload_to(opts_.offload);
     }

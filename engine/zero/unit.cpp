@@ -94,9 +94,29 @@ void Unit::shards_to_disk() {
 void Unit::load_shards(bool trainable_only) {
   for (Part* part : {&train_, &frozen_}) {
     if (!part->layout || part->swap_offset < 0 || (trainable_only && part == &frozen_)) continue;
+    if (part->reading.valid()) {  // read ahead: wait for it (rethrows its I/O error)
+      owner_.options().param_swap->finish(part->reading);
+      continue;
+    }
     if (part->shard.storage().nbytes() == part->shard.nbytes()) continue;  // present, current
     owner_.options().param_swap->load(part->shard, part->swap_offset);
   }
+}
+
+int Unit::read_ahead() {
+  ParamSwap& swap = *owner_.options().param_swap;
+  auto wanted = [](const Part& p) {
+    return p.layout && p.swap_offset >= 0 && !p.reading.valid() && p.shard.device().is_cpu() &&
+           p.shard.storage().nbytes() != p.shard.nbytes();
+  };
+  int64_t elems = 0;
+  for (const Part* part : {&train_, &frozen_})
+    if (wanted(*part)) elems += part->shard.numel();
+  if (elems == 0) return 0;
+  if (!swap.has_room(elems)) return -1;
+  for (Part* part : {&train_, &frozen_})
+    if (wanted(*part)) part->reading = swap.start_read(part->shard, part->swap_offset);
+  return 1;
 }
 
 void Unit::store_shards(bool trainable_only) {
@@ -108,7 +128,9 @@ void Unit::store_shards(bool trainable_only) {
 
 void Unit::drop_shards() {
   for (Part* part : {&train_, &frozen_}) {
-    if (part->layout && part->swap_offset >= 0) free_storage(part->shard);
+    if (!part->layout || part->swap_offset < 0) continue;
+    if (part->reading.valid()) owner_.options().param_swap->finish(part->reading);  // its buffer is being read into
+    free_storage(part->shard);
   }
 }
 

@@ -33,6 +33,7 @@
 
 #include "engine/comm/communicator.h"
 #include "engine/zero/layout.h"
+#include "engine/zero/offload_state.h"
 
 namespace zeal::zero {
 
@@ -52,6 +53,7 @@ class Unit {
     at::Tensor shard;                    // compute dtype, this rank's slice
     at::Tensor full;                     // compute dtype, the padded buffer; storage only while gathered
     int64_t swap_offset = -1;            // offload_param nvme: the shard's region in the swap file
+    ParamSwap::Reading reading;          // offload_param nvme: its read ahead, while one runs
     int64_t bytes() const;               // of `full` while gathered
   };
 
@@ -97,6 +99,9 @@ class Unit {
   void load_shards(bool trainable_only = false);
   void store_shards(bool trainable_only);
   void drop_shards();
+  // offload_param nvme: starts reading ahead the shards on disk that have no storage, if the swap's
+  // buffers have room for all of them: 1 started, 0 nothing to read, -1 no room.
+  int read_ahead();
   // A trainable parameter's gradient arrived (its accumulator's post hook): staged.
   void on_grad_ready(int param);
   // Reduce-scatters the staged gradients (zeros for those that never arrived) and adds this rank's

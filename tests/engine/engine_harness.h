@@ -42,6 +42,7 @@ struct RunSpec {
   bool overlap = true;
   bool freeze_embeddings = false;
   bool step_lr = false;  // a LibTorch StepLR(step 3, gamma 0.5) on the optimizer
+  int64_t layers = TinyGptOptions{}.layers;  // blocks of the model (the stage-3 units)
   // stage 3
   int64_t persistence = 0;      // stage3_param_persistence_threshold
   int64_t prefetch = 50'000'000;  // stage3_prefetch_bucket_size (0: no prefetch)
@@ -55,6 +56,11 @@ struct RunSpec {
   std::string param_nvme_path;     // offload_param.device nvme there (stage 3)
   bool freeze_ln1 = false;         // every block's first LayerNorm frozen (a frozen layer first in a unit)
   bool aio_auto = false;           // aio.block_size and aio.queue_depth "auto" (measured at start-up)
+  // offload_param: elements per rank kept in host memory (0 here: every block on disk; the
+  // config's default is DeepSpeed's 1e9), read-ahead buffers and their elements.
+  int64_t param_max_in_cpu = 0;
+  int64_t param_buffer_count = 5, param_buffer_size = 100'000'000;
+  int64_t optimizer_buffer_count = 4;  // offload_optimizer.buffer_count
   // fp16 loss scaling
   int64_t initial_scale_power = 16, loss_scale_window = 1000, hysteresis = 2;
 };
@@ -151,6 +157,10 @@ inline zeal::Config make_config(const RunSpec& s) {
     c.zero.offload_param.device = zeal::OffloadDevice::kNvme;
     c.zero.offload_param.nvme_path = s.param_nvme_path;
   }
+  c.zero.offload_param.max_in_cpu = s.param_max_in_cpu;
+  c.zero.offload_param.buffer_count = s.param_buffer_count;
+  c.zero.offload_param.buffer_size = s.param_buffer_size;
+  c.zero.offload_optimizer.buffer_count = s.optimizer_buffer_count;
   c.zero.sub_group_size = s.sub_group;
   c.aio.block_size.is_auto = s.aio_auto;
   c.aio.queue_depth.is_auto = s.aio_auto;
@@ -168,7 +178,9 @@ struct Setup {
 
 inline Setup make_setup(const RunSpec& s, const std::function<TinyGpt()>& build = {}) {
   at::manual_seed(s.seed);
-  Setup u{build ? build() : TinyGpt(model_options()), {}, nullptr, nullptr};
+  TinyGptOptions mo = model_options();
+  mo.layers = s.layers;
+  Setup u{build ? build() : TinyGpt(mo), {}, nullptr, nullptr};
   if (s.freeze_embeddings) {
     u.model->wte->weight.set_requires_grad(false);
     u.model->wpe->weight.set_requires_grad(false);
@@ -190,7 +202,8 @@ inline Setup make_setup(const RunSpec& s, const std::function<TinyGpt()>& build 
 // mean over the global batch), norms (gradient norm before clipping), skipped (0/1 per step).
 struct RunResult {
   // per rank; memory: params, grads, master, optimizer states, frozen bytes, trainable count, then
-  // stage 3's unit gathers, prefetches and re-traces
+  // stage 3's unit gathers, prefetches and re-traces, offload host and disk bytes, shards read
+  // ahead from disk and of those waited for
   std::vector<at::Tensor> params, skipped, scales, memory, trajectory;
   at::Tensor losses, norms;
 };
@@ -207,7 +220,9 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
     }
   }
   zeal::Engine engine(make_config(s), rt);
-  Setup u = make_setup(s, [&] { return s.init ? engine.init<TinyGpt>(model_options()) : TinyGpt(model_options()); });
+  TinyGptOptions mo = model_options();
+  mo.layers = s.layers;
+  Setup u = make_setup(s, [&] { return s.init ? engine.init<TinyGpt>(mo) : TinyGpt(mo); });
   auto [m, o] = engine.prepare(u.model, *u.opt);
   auto sched = engine.prepare(*u.step_lr);
   const int64_t per_step = s.micro_batch * s.world * s.accumulation;
@@ -251,12 +266,14 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
   write_tensor(dir + "/trajectory_" + me, at::stack(trajectory));
   const zeal::MemoryReport mem = engine.memory();
   const auto fetches = engine.fetch_counts();
+  const auto disk_reads = engine.param_disk_reads();
   write_tensor(dir + "/memory_" + me,
                at::tensor(std::vector<double>{double(mem.params), double(mem.grads), double(mem.master),
                                               double(mem.optimizer_states), double(mem.frozen_params),
                                               double(engine.num_trainable_parameters()), double(fetches.gathers),
                                               double(fetches.prefetched), double(fetches.retraced),
-                                              double(mem.offload_host), double(mem.offload_disk)},
+                                              double(mem.offload_host), double(mem.offload_disk),
+                                              double(disk_reads.ahead), double(disk_reads.waited)},
                           at::kDouble));
   if (engine.is_main_process()) {
     write_tensor(dir + "/losses", at::tensor(losses, at::kDouble));

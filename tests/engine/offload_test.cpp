@@ -8,7 +8,9 @@
 #include <sys/mount.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
@@ -96,11 +98,12 @@ struct NvmeCase {
   int accumulation;
   bool threads;  // ZEAL_OFFLOAD_IO=threads
   bool aio_auto = false;  // aio.block_size and aio.queue_depth "auto": measured by rank 0 at start-up
+  int buffers = 4;        // offload_optimizer.buffer_count: 1 and 2 pipeline less, 3 and up fully
 };
 
 void PrintTo(const NvmeCase& c, std::ostream* os) {
   *os << c.world << " ranks, " << c.precision << ", accumulation " << c.accumulation << (c.threads ? ", threads" : "")
-      << (c.aio_auto ? ", aio auto" : "");
+      << (c.aio_auto ? ", aio auto" : "") << ", buffer_count " << c.buffers;
 }
 
 class OffloadNvme : public ::testing::TestWithParam<NvmeCase> {};
@@ -114,6 +117,7 @@ TEST_P(OffloadNvme, TrainsBitIdenticalToNoOffload) {
   s.precision = c.precision;
   s.accumulation = c.accumulation;
   s.sub_group = 1000;
+  s.optimizer_buffer_count = c.buffers;
   const RunResult plain = run_engine(s, "nvme_off");
   const fs::path dir = temp_dir("nvme_swap");
   s.nvme_path = dir.string();
@@ -142,7 +146,9 @@ TEST_P(OffloadNvme, TrainsBitIdenticalToNoOffload) {
     const double region = std::ceil(owned * 4 / 4096) * 4096;
     EXPECT_EQ(off.memory[r][10].item<double>(), 3 * region) << "rank " << r;
     EXPECT_EQ(off.memory[r][3].item<double>(), 0) << "rank " << r << ": optimizer state held in memory";
-    EXPECT_EQ(off.memory[r][9].item<double>(), (4 * 10 + p_bytes) * 1024) << "rank " << r << ": window buffers";
+    // Each set holds master, m and v windows (12 bytes per element), plus the gradient (4) and result windows.
+    const int sets = std::min(c.buffers, 3);
+    EXPECT_EQ(off.memory[r][9].item<double>(), (12 * sets + 4 + p_bytes) * 1024) << "rank " << r << ": window buffers";
   }
   EXPECT_TRUE(fs::is_empty(dir)) << "swap files left in " << dir;
   fs::remove_all(dir);
@@ -151,7 +157,8 @@ TEST_P(OffloadNvme, TrainsBitIdenticalToNoOffload) {
 INSTANTIATE_TEST_SUITE_P(Cases, OffloadNvme,
                          ::testing::Values(NvmeCase{1, "no", 1, false}, NvmeCase{2, "bf16", 2, false},
                                            NvmeCase{3, "no", 1, false}, NvmeCase{2, "no", 2, true},
-                                           NvmeCase{2, "bf16", 1, false, true}));
+                                           NvmeCase{2, "bf16", 1, false, true}, NvmeCase{2, "no", 2, false, false, 1},
+                                           NvmeCase{3, "bf16", 1, false, false, 2}));
 
 // Parameters on disk (offload_param.device nvme, stage 3): every block's shards (trainable and
 // frozen) live in the rank's swap file, read back for each all-gather (prefetches included) and
@@ -249,6 +256,103 @@ INSTANTIATE_TEST_SUITE_P(Cases, OffloadParamNvme,
                                            ParamNvmeCase{2, "bf16", 2, "nvme", false},
                                            ParamNvmeCase{3, "no", 1, "cpu", false},
                                            ParamNvmeCase{2, "no", 1, "none", true}));
+
+// Each unit's trainable and frozen shard bytes per rank, in the model's order (root first).
+std::vector<std::pair<double, double>> unit_shards(const RunSpec& s, int64_t esize) {
+  Setup u = make_setup(s);
+  std::vector<std::string> order{""};
+  std::map<std::string, std::pair<std::vector<int64_t>, std::vector<int64_t>>> units;
+  for (const auto& item : u.model->named_parameters()) {
+    const std::string& k = item.key();
+    const std::string unit = k.rfind("block", 0) == 0 ? k.substr(0, k.find('.')) : "";
+    if (std::find(order.begin(), order.end(), unit) == order.end()) order.push_back(unit);
+    (item.value().requires_grad() ? units[unit].first : units[unit].second).push_back(item.value().numel());
+  }
+  auto bytes = [&](const std::vector<int64_t>& n) {
+    return n.empty() ? 0.0 : double(zeal::zero::FlatLayout(n, s.world, 16).shard_size() * esize);
+  };
+  std::vector<std::pair<double, double>> out;
+  for (const auto& name : order) out.push_back({bytes(units[name].first), bytes(units[name].second)});
+  return out;
+}
+
+// offload_param.max_in_cpu: the units that fit it per rank (in order, counted in elements of
+// their shards) keep their shards in host memory; the rest go to disk. Here room for two blocks:
+// the first two stay, the others' shards are on disk, and the result is the same bits.
+TEST(OffloadParamNvme, MaxInCpuKeepsTheFirstUnitsThatFitInMemory) {
+  namespace fs = std::filesystem;
+  RunSpec s;
+  s.stage = 3;
+  s.world = 2;
+  s.freeze_ln1 = true;
+  s.layers = 4;
+  const RunResult plain = run_engine(s, "param_cpu_max_off");
+  const auto shards = unit_shards(s, 4);
+  ASSERT_GE(shards.size(), 4u) << "the model needs three blocks or more";
+  int64_t block_elems = 0;  // the engine counts a unit's shard as ceil(elements / world)
+  {
+    zeal_test::Setup u = make_setup(s);
+    for (const auto& item : u.model->named_parameters())
+      if (item.key().rfind("block0.", 0) == 0) block_elems += item.value().numel();
+  }
+  const fs::path dir = temp_dir("param_swap_max_in_cpu");
+  s.param_nvme_path = dir.string();
+  s.param_max_in_cpu = 2 * ((block_elems + s.world - 1) / s.world);
+  const RunResult off = run_engine(s, "param_cpu_max_on");
+  expect_bit_identical(plain, off);
+  auto on_disk = [](double b) { return b == 0 ? 0.0 : std::ceil(b / 4096) * 4096; };
+  double in_memory = shards[0].first + shards[1].first + shards[2].first, disk = 0;
+  for (size_t i = 3; i < shards.size(); ++i) disk += on_disk(shards[i].first) + on_disk(shards[i].second);
+  ASSERT_GT(disk, 0);
+  for (size_t r = 0; r < off.params.size(); ++r) {
+    EXPECT_EQ(off.memory[r][0].item<double>(), in_memory) << "rank " << r << ": trainable shards in memory";
+    EXPECT_EQ(off.memory[r][10].item<double>(), disk) << "rank " << r << ": bytes on disk";
+  }
+  EXPECT_TRUE(fs::is_empty(dir)) << "swap files left in " << dir;
+  fs::remove_all(dir);
+}
+
+// Shards come off the disk ahead of their all-gather on the reader thread, along the recorded
+// order past the units being prefetched (one here), as far as offload_param.buffer_count and
+// buffer_size allow: with room for one block's shards they are read ahead, the same bits; with
+// buffer_size below one block's shards nothing is (every read on demand), the same bits again.
+TEST(OffloadParamNvme, ReadsAheadWithinItsBuffers) {
+  namespace fs = std::filesystem;
+  RunSpec s;
+  s.stage = 3;
+  s.world = 2;
+  s.accumulation = 2;
+  s.freeze_ln1 = true;
+  s.layers = 4;
+  s.prefetch = 1;  // all-gathers prefetch one unit ahead
+  const RunResult plain = run_engine(s, "param_ahead_off");
+  const fs::path dir = temp_dir("param_swap_ahead");
+  s.param_nvme_path = dir.string();
+  s.nvme_path = dir.string();
+  s.sub_group = 1000;
+  int64_t block_elems = 0;
+  {
+    zeal_test::Setup u = make_setup(s);
+    for (const auto& item : u.model->named_parameters())
+      if (item.key().rfind("block0.", 0) == 0) block_elems += item.value().numel();
+  }
+  const int64_t shard = (block_elems + s.world - 1) / s.world;
+  s.param_buffer_count = 1;
+  s.param_buffer_size = shard + 1024;  // the shard's two parts with their padding, not two blocks
+  const RunResult ahead = run_engine(s, "param_ahead_on");
+  expect_bit_identical(plain, ahead);
+  s.param_buffer_size = shard / 2;
+  const RunResult none = run_engine(s, "param_ahead_none");
+  expect_bit_identical(plain, none);
+  for (size_t r = 0; r < plain.params.size(); ++r) {
+    EXPECT_GT(ahead.memory[r][11].item<double>(), 0) << "rank " << r << ": nothing was read ahead";
+    EXPECT_EQ(none.memory[r][11].item<double>(), 0) << "rank " << r << ": read ahead beyond buffer_size";
+  }
+  std::printf("metric reads_ahead %g waited %g (rank 0)\n", ahead.memory[0][11].item<double>(),
+              ahead.memory[0][12].item<double>());
+  EXPECT_TRUE(fs::is_empty(dir)) << "swap files left in " << dir;
+  fs::remove_all(dir);
+}
 
 // engine.gathered with a modifier rank on parameters that live on disk: the new values reach the
 // swap file, so every rank reads them back after the unit was released and gathered again.

@@ -29,8 +29,9 @@ grep -q '"offload_host_bytes": [1-9]' "$log" || { echo "FAIL: ds_zero3_cpu.yaml 
 echo "PASS: ds_zero3_cpu.yaml, loss $first_off -> $last_off"
 # ZeRO-Infinity's reference config (optimizer state and parameters on NVMe), unchanged but for its
 # nvme_path, given on the command line as with accelerate launch; then the same with every block
-# sharded (the tiny model's blocks are under the "auto" persistence threshold), so parameters
-# really go to disk: more bytes on disk, the loss falls the same way, nothing left behind.
+# sharded (the tiny model's blocks are under the "auto" persistence threshold) and max_in_cpu 0
+# (its 1e9 elements would keep them all in host memory), so parameters really go to disk: more
+# bytes on disk, the loss falls the same way, nothing left behind.
 swap=$(mktemp -d -p "$(dirname "$train_gpt")" zeal-test-swap.XXXXXX)
 cfgdir=$(mktemp -d)
 trap 'rm -f "$log" "$config"; rm -rf "$swap" "$cfgdir"' EXIT
@@ -51,8 +52,10 @@ nvme_run configs/ds_zero3_nvme.yaml "$log"
 disk_shipped=$(disk "$log")
 [ "$disk_shipped" -gt 0 ] || { echo "FAIL: ds_zero3_nvme.yaml put nothing on disk" >&2; exit 1; }
 cp configs/ds_zero3_nvme.yaml "$cfgdir/"
-sed 's/"stage3_param_persistence_threshold": "auto"/"stage3_param_persistence_threshold": 0/' configs/ds_zero3_nvme.json > "$cfgdir/ds_zero3_nvme.json"
-grep -q '"stage3_param_persistence_threshold": 0' "$cfgdir/ds_zero3_nvme.json" || { echo "FAIL: could not edit the threshold" >&2; exit 1; }
+sed -e 's/"stage3_param_persistence_threshold": "auto"/"stage3_param_persistence_threshold": 0/' \
+  -e 's/"max_in_cpu": 1e9/"max_in_cpu": 0/' configs/ds_zero3_nvme.json > "$cfgdir/ds_zero3_nvme.json"
+grep -q '"stage3_param_persistence_threshold": 0' "$cfgdir/ds_zero3_nvme.json" && grep -q '"max_in_cpu": 0' "$cfgdir/ds_zero3_nvme.json" ||
+  { echo "FAIL: could not edit the threshold and max_in_cpu" >&2; exit 1; }
 nvme_run "$cfgdir/ds_zero3_nvme.yaml" "$log"
 disk_blocks=$(disk "$log")
 [ "$disk_blocks" -gt "$disk_shipped" ] || { echo "FAIL: no parameters on disk ($disk_blocks vs $disk_shipped bytes)" >&2; exit 1; }

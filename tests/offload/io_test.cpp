@@ -94,6 +94,44 @@ INSTANTIATE_TEST_SUITE_P(Shapes, IoRoundTrip,
                                            Shape{true, 1 << 20, 16, false, true}, Shape{true, 4096, 1, false, true},
                                            Shape{true, 128 << 10, 8, false, false}));
 
+// io_uring's registered buffers: transfers inside a registered buffer go as fixed-buffer requests
+// (counted), others as plain ones, and the bytes are the same either way, part of a buffer too;
+// the thread pool registers nothing.
+TEST(IoRegisteredBuffers, FixedRequestsMoveTheSameBytes) {
+  IoOptions o;
+  o.block_size = 64 << 10;
+  o.queue_depth = 8;
+  std::string why;
+  auto io = make_io_engine(o, false, &why);
+  if (std::string(io->kind()) != "io_uring") GTEST_SKIP() << why;
+  TempFile f("fixed");
+  ASSERT_GE(f.fd, 0) << std::strerror(errno);
+  const int64_t bytes = 5 * o.block_size + 3 * kIoAlign;
+  AlignedBuffer a(bytes), b(bytes), plain(bytes), back(bytes);
+  fill_random(a, 21);
+  fill_random(plain, 22);
+  ASSERT_TRUE(io->register_buffer(a.data(), a.size()));
+  ASSERT_TRUE(io->register_buffer(b.data(), b.size()));  // a second one, added to the first
+  io->write(f.fd, f.path, a.data(), bytes, 0);
+  const int64_t after_write = io->fixed_requests();
+  EXPECT_EQ(after_write, 6) << "a write from a registered buffer: 6 requests of at most 64 KiB";
+  io->write(f.fd, f.path, plain.data(), bytes, bytes);  // not registered
+  EXPECT_EQ(io->fixed_requests(), after_write);
+  io->read(f.fd, f.path, b.data(), bytes, bytes);  // the plain buffer's bytes into a registered one
+  EXPECT_EQ(io->fixed_requests(), 2 * after_write);
+  EXPECT_EQ(std::memcmp(b.data(), plain.data(), static_cast<size_t>(bytes)), 0);
+  io->read(f.fd, f.path, b.data() + kIoAlign, 2 * kIoAlign, kIoAlign);  // inside b, at an offset
+  EXPECT_EQ(std::memcmp(b.data() + kIoAlign, a.data() + kIoAlign, 2 * kIoAlign), 0);
+  io->read(f.fd, f.path, back.data(), bytes, 0);
+  EXPECT_EQ(std::memcmp(back.data(), a.data(), static_cast<size_t>(bytes)), 0);
+  const std::vector<char> disk = file_bytes(f.path);
+  ASSERT_EQ(static_cast<int64_t>(disk.size()), 2 * bytes);
+  EXPECT_EQ(std::memcmp(disk.data(), a.data(), static_cast<size_t>(bytes)), 0);
+  EXPECT_EQ(io->requests() - io->fixed_requests(), 6 + 6) << "the unregistered write and read";
+  auto threads = make_io_engine(o, true);
+  EXPECT_FALSE(threads->register_buffer(a.data(), a.size()));
+}
+
 std::string failure_of(IoEngine& io, bool write, const FaultInjection& fault, int64_t bytes, int64_t offset,
                        const std::string& name, IoError* caught = nullptr) {
   TempFile f(name);
