@@ -42,6 +42,7 @@
 #include "offload/host_arena.h"
 #include "offload/io.h"
 #include "offload/swap_dir.h"
+#include "offload/tune.h"
 
 namespace {
 
@@ -207,6 +208,48 @@ int main(int argc, char** argv) {
                 {"engine", io->kind()}};
     zeal_bench::put_ratio(out[key], "write_ratio_vs_fio", w);
     zeal_bench::put_ratio(out[key], "read_ratio_vs_fio", r);
+  }
+  {
+    // The tuner (zeal offload tune, as "auto" runs it, with a longer budget) against the shipped
+    // aio defaults (DeepSpeed's: 1 MiB requests, queue depth 8): a write and a read of the same
+    // bytes through the manager, in interleaved rounds, as the optimizer's swap does each step.
+    std::printf("tuner: measuring %s (at most 30 s)\n", dir.c_str());
+    std::fflush(stdout);
+    const auto tuned = zeal::offload::tune_io(dir, 256ll << 20, 30.0);
+    IoOptions def, best;
+    def.block_size = 1 << 20;
+    def.queue_depth = 8;
+    best.block_size = tuned.best.block_size;
+    best.queue_depth = tuned.best.queue_depth;
+    auto io_def = zeal::offload::make_io_engine(def), io_best = zeal::offload::make_io_engine(best);
+    const int fd = ::open(zfile.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
+    const int64_t swap_bytes = std::min<int64_t>(bytes, 2ll << 30);
+    auto swap_pass = [&](zeal::offload::IoEngine& io) {
+      const double t = zeal_bench::seconds_of([&] {
+        for (int64_t off = 0; off < swap_bytes; off += kPartition) io.write(fd, zfile, buf.data(), kPartition, off);
+        for (int64_t off = 0; off < swap_bytes; off += kPartition) io.read(fd, zfile, buf.data(), kPartition, off);
+      });
+      return 2.0 * swap_bytes / t;
+    };
+    std::vector<zeal_bench::Contender> cs{{"defaults", [&] { return swap_pass(*io_def); }},
+                                          {"tuned", [&] { return swap_pass(*io_best); }}};
+    const auto s = zeal_bench::interleave(cs, rounds, 1, [&](int r) {
+      std::printf("  tuner vs defaults: round %d of %d done\n", r, rounds);
+      std::fflush(stdout);
+    });
+    ::close(fd);
+    const auto ratio = zeal_bench::ratio(s[1], s[0]);
+    std::printf("| tuner | chose %lld KiB x %d (%zu trials%s) | write+read through the manager: tuned %.2f GB/s "
+                "(%.2f–%.2f), defaults 1024 KiB x 8 %.2f GB/s (%.2f–%.2f), ratio %s |\n",
+                static_cast<long long>(best.block_size >> 10), best.queue_depth, tuned.trials.size(),
+                tuned.stopped_early ? ", budget ended the grid" : "", s[1].median() / 1e9, s[1].min() / 1e9,
+                s[1].max() / 1e9, s[0].median() / 1e9, s[0].min() / 1e9, s[0].max() / 1e9, ratio.text().c_str());
+    out["tuner"] = {{"block_size", best.block_size},           {"queue_depth", best.queue_depth},
+                    {"trials", tuned.trials.size()},          {"stopped_early", tuned.stopped_early},
+                    {"tuned_swap_bytes_per_s", s[1].values},  {"default_swap_bytes_per_s", s[0].values},
+                    {"default_block_size", def.block_size},   {"default_queue_depth", def.queue_depth}};
+    zeal_bench::put_ratio(out["tuner"], "tuned_ratio_vs_defaults", ratio);
+    out["tuned_ratio_vs_defaults"] = ratio.median;
   }
   if (step_params > 0) {
     // The step: state written once (the offload), then K steps, each timed and its peak resident
