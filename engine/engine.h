@@ -76,6 +76,12 @@ class PreparedScheduler {
   int index_;
 };
 
+// engine.save_state's options.
+struct SaveStateOptions {
+  bool include_frozen = true;  // frozen parameters' values too
+  int total_limit = 0;         // automatic names: keep at most this many checkpoints (0: all)
+};
+
 template <class T>
 concept ModuleHolderLike = requires(T m) {
   { m.ptr() } -> std::convertible_to<std::shared_ptr<torch::nn::Module>>;
@@ -182,6 +188,22 @@ class Engine {
     at::ScalarType prev_dtype_;
   };
   AutocastGuard autocast() const;
+
+  // --- checkpoints (README.md, "Checkpoints") ---------------------------------------------------
+  using SaveOptions = SaveStateOptions;
+  // Saves what a resumed run needs into `dir` (created; an existing checkpoint there is replaced
+  // only once the new one is complete), or, when empty, checkpoints/checkpoint_<k> with the next k,
+  // and points `latest` in its parent at it. Each rank writes its own file
+  // (rank<k>.safetensors: the fp32 master weights and optimizer state of the elements it owns, and
+  // its frozen parameters); rank 0 writes manifest.json (the layout, the counters, a CRC32C per
+  // file). Between optimizer steps; collective. Returns the checkpoint's directory.
+  std::string save_state(const std::string& dir = "", const SaveOptions& options = {});
+  // Restores a checkpoint written by save_state at any world size and ZeRO stage, with or without
+  // offload: `dir` itself, or the checkpoint its `latest` names (default: checkpoints/). Every
+  // rank reads only the byte ranges its elements need and checks their CRC32C; a missing,
+  // truncated or corrupted file, or a parameter the checkpoint lacks, is an error naming it before
+  // anything changes. Collective.
+  void load_state(const std::string& dir = "");
 
   // --- collectives on results ----------------------------------------------------------------
   // Every rank's tensor concatenated along dim 0 in rank order (0-d tensors become [world]);

@@ -27,6 +27,19 @@ class LossScaler {
   void update(bool overflow);
   int64_t iteration() const { return iter_; }
   int64_t skipped_steps() const { return skipped_; }
+  // Everything that changes as it runs (checkpoints).
+  struct Snapshot {
+    double scale = 0;
+    int64_t left = 0, iter = 0, last_overflow = -1, skipped = 0;
+  };
+  Snapshot snapshot() const { return {scale_, left_, iter_, last_overflow_, skipped_}; }
+  void restore(const Snapshot& s) {
+    scale_ = s.scale;
+    left_ = s.left;
+    iter_ = s.iter;
+    last_overflow_ = s.last_overflow;
+    skipped_ = s.skipped;
+  }
 
  private:
   double scale_;

@@ -96,6 +96,7 @@ class Optimizer {
   double lr() const { return hyper_.lr; }
   void set_lr(double lr) { hyper_.lr = lr; }
   int64_t steps() const { return steps_; }
+  void set_steps(int64_t s) { steps_ = s; }  // a resumed run continues the bias corrections
   const Hyper& hyper() const { return hyper_; }
 
  protected:

@@ -391,4 +391,35 @@ GroupBytes FlatGroup::bytes() const {
   return out;
 }
 
+void FlatGroup::state_ranges(bool to_write, std::vector<StateRange>& out) {
+  const int rank = comm_.rank();
+  for (const Bucket& b : buckets_) {
+    if (opts_.stage == 0 && !to_write) {  // every rank keeps every element
+      for (int k = 0; k < b.layout.num_params(); ++k) {
+        const int i = b.params[k];
+        out.push_back({names_[i], params_[i].sizes().vec(), 0, b.layout.numel(k),
+                       param_flat_.narrow(0, b.offset + b.layout.offset(k), b.layout.numel(k)), &step_,
+                       b.master_offset + b.layout.offset(k)});
+      }
+      continue;
+    }
+    // Stage 0 writes the slice stage 1 would own; stages 1, 2 own it.
+    const int64_t shard0 = opts_.stage == 0 ? b.layout.shard_begin(rank) : 0;
+    for (const Piece& pc : b.layout.pieces(rank)) {
+      const int i = b.params[pc.param];
+      out.push_back({names_[i], params_[i].sizes().vec(), pc.param_begin, pc.count,
+                     param_flat_.narrow(0, b.offset + b.owned_begin + shard0 + pc.shard_begin, pc.count), &step_,
+                     b.master_offset + shard0 + pc.shard_begin});
+    }
+  }
+}
+
+void FlatGroup::regather() {
+  if (opts_.stage == 0 || comm_.world_size() == 1) return;
+  for (int b = 0; b < num_buckets(); ++b) {
+    comm_.all_gather(owned_view(param_flat_, b), param_flat_.narrow(0, buckets_[b].offset, buckets_[b].layout.padded_total()))
+        .wait();
+  }
+}
+
 }  // namespace zeal::zero

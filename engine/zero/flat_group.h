@@ -106,6 +106,10 @@ class FlatGroup {
   int64_t num_elements() const { return total_elems_; }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   const std::vector<std::string>& names() const { return names_; }
+  // Checkpoints (Sharding::state_ranges): the pieces of this group's parameters this rank holds.
+  void state_ranges(bool to_write, std::vector<StateRange>& out);
+  // After a load: the owned regions of the parameter buffer to every rank (stages 1, 2; collective).
+  void regather();
 
  private:
   struct Bucket {

@@ -410,3 +410,61 @@ int64_t ShardStep::workspace_bytes() const {
 }
 
 }  // namespace zeal::zero
+
+namespace zeal::zero {
+
+std::vector<std::string> ShardStep::state_names() const {
+  if (swap_) return {"exp_avg", "exp_avg_sq"};
+  std::vector<std::string> names;
+  for (const auto& [k, v] : optimizer_->state())
+    if (v.defined()) names.push_back(k);
+  return names;
+}
+
+void ShardStep::state_io(const std::string& what, int64_t index, int64_t n, float* buf, bool write) {
+  if (n <= 0) return;
+  ZEAL_CHECK(index >= 0 && index + n <= total_) << "state range [" << index << ", " << index + n
+                                                  << ") outside a partition of " << total_;
+  c10::NoGradGuard no_grad;
+  auto move = [&](const at::Tensor& t, float* p) {  // t: fp32 elements anywhere, p: host
+    at::Tensor h = at::from_blob(p, {t.numel()}, at::kFloat);
+    if (write) {
+      t.copy_(h);
+    } else {
+      h.copy_(t);
+    }
+  };
+  if (swap_) {
+    const int r = what == "master" ? 0 : what == "exp_avg" ? 1 : what == "exp_avg_sq" ? 2 : -1;
+    if (r < 0) throw Error("checkpoint: NVMe-offloaded optimizer state has no '" + what + "'");
+    const at::Tensor& win = win_master_[0];  // no step runs: any window buffer is free
+    for (int64_t a = index / window_ * window_; a < index + n; a += window_) {
+      const int64_t len = std::min(window_, total_ - a);
+      const int64_t bytes = round_up(len * 4, offload::kIoAlign), off = r * region_bytes_ + a * 4;
+      swap_->read(win.data_ptr(), bytes, off);
+      const int64_t lo = std::max(a, index), hi = std::min(a + len, index + n);
+      move(win.narrow(0, lo - a, hi - lo), buf + (lo - index));
+      if (write) swap_->write(win.data_ptr(), bytes, off);
+    }
+    return;
+  }
+  if (what == "master") {
+    if (master_.defined()) {
+      move(master_.narrow(0, index, n), buf);
+      return;
+    }
+    for (const Piece& p : pieces_) {  // aliased: the parameters are the master weights
+      const int64_t lo = std::max(index, p.offset), hi = std::min(index + n, p.offset + p.out.numel());
+      if (lo < hi) move(p.out.narrow(0, lo - p.offset, hi - lo), buf + (lo - index));
+    }
+    return;
+  }
+  const auto st = optimizer_->state();
+  const auto it = st.find(what);
+  if (it == st.end() || !it->second.defined()) {
+    throw Error("checkpoint: the optimizer " + optimizer_->name() + " has no state '" + what + "'");
+  }
+  move(it->second.narrow(0, index, n), buf);
+}
+
+}  // namespace zeal::zero

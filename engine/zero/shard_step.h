@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/optim/optimizer.h"
@@ -27,6 +28,18 @@ cpu::DType kernel_dtype(at::ScalarType t);
 // Sum of squares and largest magnitude of one tensor: the SIMD kernel for contiguous CPU tensors,
 // tensor ops elsewhere.
 cpu::GradStats stats_of(const at::Tensor& t);
+
+class ShardStep;
+
+// Checkpoints: a piece of a named parameter a rank holds (Sharding::state_ranges).
+struct StateRange {
+  std::string name;              // the parameter's name in the model
+  std::vector<int64_t> shape;    // the whole parameter's
+  int64_t begin = 0, count = 0;  // elements of the flattened parameter
+  at::Tensor values;             // this rank's compute-dtype (frozen: own dtype) values of them, a view
+  ShardStep* step = nullptr;     // trainable: where its master and optimizer state live
+  int64_t index = 0;             // ... at this index of that step's partition
+};
 
 class ShardStep {
  public:
@@ -89,6 +102,19 @@ class ShardStep {
   // engine.gathered with a modifier).
   void refresh_master(size_t k);
   size_t num_pieces() const { return pieces_.size(); }
+  const Piece& piece(size_t k) const { return pieces_[k]; }
+  int64_t total() const { return total_; }
+
+  // Checkpoints, between steps: the optimizer state's names ("exp_avg" and "exp_avg_sq" for Adam,
+  // "momentum_buffer" for SGD with momentum, none for plain SGD), and copies of elements
+  // [index, index + n) of the master weights ("master") or of a state tensor out of (read) or into
+  // (write) `buf`, fp32 host memory, wherever they live: the device, the host arena, the parameters
+  // themselves (aliased), or the swap file (window by window, as the step reads and writes them).
+  std::vector<std::string> state_names() const;
+  void read_state(const std::string& what, int64_t index, int64_t n, float* buf) { state_io(what, index, n, buf, false); }
+  void write_state(const std::string& what, int64_t index, int64_t n, const float* buf) {
+    state_io(what, index, n, const_cast<float*>(buf), true);
+  }
 
   // The separate master partition (undefined when the parameters are their own master) and its bytes.
   const at::Tensor& master() const { return master_; }
@@ -104,6 +130,7 @@ class ShardStep {
   // The gradients the statistics read now and the factor still to apply to them.
   std::vector<at::Tensor> current_grads(double inv_scale, double* scale) const;
 
+  void state_io(const std::string& what, int64_t index, int64_t n, float* buf, bool write);
   void apply_offloaded(double lr, double inv_scale);
   void apply_nvme(double inv_scale);
 

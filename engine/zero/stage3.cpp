@@ -209,6 +209,7 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
                                                : values.narrow(0, a, b - a).clone());
           }
           u->master_pieces_.push_back({g, pieces[g].size()});
+          u->master_piece_shard_.push_back(a - shard_begin);
           pieces[g].push_back({master_size[g], u->grad_shard_.narrow(0, a - shard_begin, b - a),
                                u->train_.shard.narrow(0, a - shard_begin, b - a)});
           master_size[g] += b - a;
@@ -497,6 +498,64 @@ int64_t Stage3::frozen_bytes() const {
 
 int64_t Stage3::offload_disk_bytes() {
   return Sharding::offload_disk_bytes() + (opts_.param_swap ? opts_.param_swap->disk_bytes() : 0);
+}
+
+std::vector<StateRange> Stage3::state_ranges(bool /*to_write: shards are disjoint either way*/) {
+  std::vector<StateRange> out;
+  const int rank = comm_.rank();
+  for (auto& u : units_) {
+    for (Unit::Part* part : {&u->train_, &u->frozen_}) {
+      if (!part->layout) continue;
+      for (const Piece& pc : part->layout->pieces(rank)) {
+        StateRange r{part->names[pc.param], part->params[pc.param].sizes().vec(), pc.param_begin, pc.count,
+                     part->shard.narrow(0, pc.shard_begin, pc.count)};
+        if (part == &u->train_) {
+          const int g = part->groups[pc.param];
+          for (size_t j = 0; j < u->master_pieces_.size(); ++j) {
+            const auto [pg, k] = u->master_pieces_[j];
+            const ShardStep::Piece& mp = steps_[pg].piece(k);
+            const int64_t at = u->master_piece_shard_[j];
+            if (pg != g || pc.shard_begin < at || pc.shard_begin + pc.count > at + mp.out.numel()) continue;
+            r.step = &steps_[g];
+            r.index = mp.offset + (pc.shard_begin - at);
+          }
+          ZEAL_CHECK(r.step) << "no master piece holds " << r.name << " in " << u->name();
+        }
+        out.push_back(std::move(r));
+      }
+    }
+  }
+  return out;
+}
+
+void Stage3::begin_state_access() {
+  fetch_->wait_all();
+  for (auto& u : units_)
+    if (u->shards_on_disk()) u->load_shards();
+}
+
+void Stage3::end_state_access(bool changed) {
+  if (changed) {
+    c10::NoGradGuard no_grad;
+    for (auto& u : units_)
+      if (u->shards_on_disk()) u->store_shards(/*trainable_only=*/false);
+    // Units gathered now (the persistent ones, those engine.gathered holds) take the new values.
+    CollectiveLabel label(comm_, "after load_state");
+    for (auto& u : units_) {
+      if (u->state() == Unit::State::kReleased) continue;
+      u->wait_gather();
+      for (Unit::Part* part : {&u->train_, &u->frozen_}) {
+        if (!part->layout) continue;
+        if (comm_.world_size() > 1) {
+          comm_.all_gather(part->shard, part->full).wait();
+        } else {
+          part->full.copy_(part->shard);
+        }
+      }
+    }
+  }
+  for (auto& u : units_)
+    if (u->shards_on_disk() && u->pending_.empty()) u->drop_shards();
 }
 
 }  // namespace zero

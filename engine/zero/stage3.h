@@ -103,6 +103,9 @@ class Stage3 final : public Sharding {
   int64_t num_elements() const override { return trainable_elems_; }
   int stage() const override { return 3; }
   at::Tensor full_grad(const at::Tensor& param, double inv_scale) override;
+  std::vector<StateRange> state_ranges(bool to_write) override;
+  void begin_state_access() override;
+  void end_state_access(bool changed) override;
   int64_t offload_disk_bytes() override;
 
   // DeepSpeed's GatheredParameters: gathers the units holding `params` (all units when empty) and

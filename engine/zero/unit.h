@@ -126,6 +126,7 @@ class Unit {
   at::Tensor grad_staging_;  // communication dtype, train_ padded total: this backward's gradients
   std::vector<Work> pending_;  // all-gathers in flight
   std::vector<std::pair<int, size_t>> master_pieces_;  // (group, piece of its ShardStep) of this unit
+  std::vector<int64_t> master_piece_shard_;           // where each of them starts in train_.shard
   std::vector<std::shared_ptr<void>> accumulators_;  // keep the gradient hooks alive
 };
 

@@ -55,6 +55,17 @@ class Sharding {
   StepResult step(double inv_scale, double clip, const std::vector<double>& lrs);
   void zero_grad();
 
+  // Checkpoints: the pieces of named parameters this rank holds. `to_write`: each element once over
+  // all ranks (stage 0 splits its replicas as stage 1 would); otherwise every element this rank
+  // keeps (stage 0: all). begin_state_access makes every range's values present (stage 3: shards
+  // on disk are read in); end_state_access(changed) puts them back, and after a load (changed)
+  // makes the new values visible everywhere (all-gathers: collective).
+  using StateRange = zero::StateRange;
+  virtual std::vector<StateRange> state_ranges(bool to_write) = 0;
+  virtual void begin_state_access() {}
+  virtual void end_state_access(bool changed) = 0;
+  std::vector<ShardStep*> steps() { return shard_steps(); }
+
   virtual size_t num_groups() const = 0;
   virtual GroupBytes bytes() const = 0;
   virtual int64_t num_elements() const = 0;
@@ -111,6 +122,15 @@ class ZeroOptimizer final : public Sharding {
   int64_t backward_passes() const override;
   void notice_abandoned() override;
   at::Tensor full_grad(const at::Tensor& param, double inv_scale) override;
+  std::vector<StateRange> state_ranges(bool to_write) override {
+    std::vector<StateRange> out;
+    for (auto& g : groups_) g->state_ranges(to_write, out);
+    return out;
+  }
+  void end_state_access(bool changed) override {
+    if (changed)
+      for (auto& g : groups_) g->regather();
+  }
 
   size_t num_groups() const override { return groups_.size(); }
   FlatGroup& group(size_t g) { return *groups_[g]; }

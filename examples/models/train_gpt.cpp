@@ -9,6 +9,10 @@
 // 0-255, which every preset's vocabulary covers). Without --data the tokens are random (timing).
 // Each step every rank reads its own windows of seq_len + 1 tokens at positions drawn from --seed.
 // Rank 0 prints the loss, tokens per second and memory; --log_jsonl writes one JSON line per step.
+// --save_dir D saves a checkpoint as D/step_<k> every --save_every steps and after the last one;
+// --resume D continues from D (or the checkpoint D/latest names) at the step it was saved after,
+// whatever the world size and config of the run that saved it (the samples of a step depend only
+// on --seed and the step).
 #include <torch/optim/adamw.h>
 
 #include <CLI/CLI.hpp>
@@ -17,6 +21,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -83,6 +88,11 @@ int main(int argc, char** argv) {
   app.add_option("--lr", lr)->capture_default_str();
   app.add_option("--weight_decay", weight_decay)->capture_default_str();
   app.add_option("--seed", seed)->capture_default_str();
+  std::string save_dir, resume;
+  int64_t save_every = 0;
+  app.add_option("--save_dir", save_dir, "save checkpoints here (D/step_<k>, D/latest)");
+  app.add_option("--save_every", save_every, "steps between checkpoints (0: after the last step only)");
+  app.add_option("--resume", resume, "continue from this checkpoint (or the one its latest names)");
   CLI11_PARSE(app, argc, argv);
   // What CLI11 left must be the engine's: --config_file or a config override flag.
   for (const auto& extra : app.remaining()) {
@@ -141,7 +151,22 @@ int main(int argc, char** argv) {
       if (!jsonl) throw zeal::Error(fmt::format("--log_jsonl: cannot write {}", log_jsonl));
     }
     const int64_t per_step = micro_batch * world * accum;
-    for (int64_t step = 0; step < steps; ++step) {
+    int64_t first_step = 0;
+    if (!resume.empty()) {
+      engine.load_state(resume);
+      // The loop's own step count (fp16 steps skipped on overflow are steps here), saved beside.
+      std::filesystem::path dir = resume;
+      if (!std::filesystem::exists(dir / "train_gpt.step") && std::filesystem::exists(dir / "latest")) {
+        std::ifstream latest(dir / "latest");
+        std::string name;
+        std::getline(latest, name);
+        dir /= name;
+      }
+      std::ifstream f(dir / "train_gpt.step");
+      if (!(f >> first_step)) throw zeal::Error(fmt::format("--resume: {} has no train_gpt.step", dir.string()));
+      engine.print(fmt::format("zeal: resumed from {} after step {}", dir.string(), first_step));
+    }
+    for (int64_t step = first_step; step < steps; ++step) {
       const auto t0 = std::chrono::steady_clock::now();
       // This step's windows for every rank and micro-step, from the seed: rank r, micro-step k
       // takes rows (k·world + r)·micro_batch onwards.
@@ -186,6 +211,11 @@ int main(int argc, char** argv) {
                                  engine.zero_stage() == 3
                                      ? fmt::format(", gathered peak {}", zeal::format_bytes(mem.gathered_peak))
                                      : ""));
+      }
+      if (!save_dir.empty() && ((save_every > 0 && (step + 1) % save_every == 0) || step + 1 == steps)) {
+        const std::string saved = engine.save_state(fmt::format("{}/step_{}", save_dir, step + 1));
+        if (engine.is_main_process()) std::ofstream(saved + "/train_gpt.step") << step + 1 << "\n";
+        engine.print("zeal: saved ", saved);
       }
     }
   } catch (const zeal::Error& e) {

@@ -8,8 +8,10 @@ zeal=$1 train_gpt=$2
 log=$(mktemp) config=$(mktemp --suffix=.yaml)
 trap 'rm -f "$log" "$config"' EXIT
 sed 's/stage3_param_persistence_threshold: .*/stage3_param_persistence_threshold: 0/' configs/zero3.yaml > "$config"
+ckpt=$(mktemp -d) resumed=$(mktemp)
+trap 'rm -f "$log" "$config" "$resumed"; rm -rf "$ckpt"' EXIT
 "$zeal" launch --num_processes 2 --main_process_port 29533 "$train_gpt" --config_file "$config" --model tiny --steps 40 --seq_len 32 --micro_batch 8 \
-  --data README.md --log_every 10 --log_jsonl "$log"
+  --data README.md --log_every 10 --log_jsonl "$log" --save_dir "$ckpt" --save_every 10
 lines=$(wc -l < "$log")
 [ "$lines" -eq 40 ] || { echo "FAIL: $lines JSON lines for 40 steps" >&2; exit 1; }
 first=$(head -n 5 "$log" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END {print s/NR}')
@@ -17,6 +19,20 @@ last=$(tail -n 5 "$log" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END
 awk -v a="$first" -v b="$last" 'BEGIN { exit !(b <= a - 0.5) }' ||
   { echo "FAIL: loss went from $first to $last" >&2; exit 1; }
 grep -q '"gathered_peak_bytes": [1-9]' "$log" || { echo "FAIL: no gathered bytes logged" >&2; exit 1; }
+# Checkpoints: the run saved after steps 10, 20, 30, 40 (latest: step_40). Resumed from step_10 on
+# the same 2 ranks, steps 11-20 give the same losses to the last digit; on 1 rank (twice the micro
+# batch: the same samples per step) within 1e-3.
+[ "$(cat "$ckpt/latest")" = step_40 ] || { echo "FAIL: latest is '$(cat "$ckpt/latest")', not step_40" >&2; exit 1; }
+losses() { sed 's/.*"loss": \([0-9.]*\).*/\1/' "$1"; }
+"$zeal" launch --num_processes 2 --main_process_port 29536 "$train_gpt" --config_file "$config" --model tiny --steps 20 --seq_len 32 --micro_batch 8 \
+  --data README.md --log_every 10 --log_jsonl "$resumed" --resume "$ckpt/step_10"
+[ "$(losses "$resumed")" = "$(losses "$log" | sed -n 11,20p)" ] ||
+  { echo "FAIL: resumed at step 10, the losses differ:" >&2; paste <(losses "$log" | sed -n 11,20p) <(losses "$resumed") >&2; exit 1; }
+"$zeal" launch --num_processes 1 --main_process_port 29537 "$train_gpt" --config_file "$config" --model tiny --steps 20 --seq_len 32 --micro_batch 16 \
+  --data README.md --log_every 10 --log_jsonl "$resumed" --resume "$ckpt/step_10"
+paste <(losses "$log" | sed -n 11,20p) <(losses "$resumed") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-3) bad = 1 } END { exit bad }' ||
+  { echo "FAIL: resumed on 1 rank, the losses differ:" >&2; paste <(losses "$log" | sed -n 11,20p) <(losses "$resumed") >&2; exit 1; }
+echo "PASS: resumed from step 10 on 2 ranks (same losses) and on 1 rank (within 1e-3)"
 # The reference config of ZeRO-3 with the optimizer and parameters offloaded to the CPU, unchanged.
 : > "$log"
 "$zeal" launch --num_processes 2 --main_process_port 29534 "$train_gpt" --config_file configs/ds_zero3_cpu.yaml --model tiny --steps 40 --seq_len 32 --micro_batch 8 \
@@ -34,7 +50,7 @@ echo "PASS: ds_zero3_cpu.yaml, loss $first_off -> $last_off"
 # bytes on disk, the loss falls the same way, nothing left behind.
 swap=$(mktemp -d -p "$(dirname "$train_gpt")" zeal-test-swap.XXXXXX)
 cfgdir=$(mktemp -d)
-trap 'rm -f "$log" "$config"; rm -rf "$swap" "$cfgdir"' EXIT
+trap 'rm -f "$log" "$config" "$resumed"; rm -rf "$swap" "$cfgdir" "$ckpt"' EXIT
 nvme_run() {  # config file, log
   : > "$2"
   "$zeal" launch --num_processes 2 --main_process_port 29535 --offload_param_nvme_path "$swap" \

@@ -1,0 +1,505 @@
+// Engine::save_state and Engine::load_state (README.md, "Checkpoints").
+//
+// The format is canonical per parameter, whatever the stage and world size that wrote it: every
+// named parameter's flattened elements are cut into contiguous pieces, each piece written once, by
+// the rank that owned it, into that rank's safetensors file as "<kind>/<name>/<first element>"
+// (kind: master, exp_avg, exp_avg_sq, momentum_buffer for trainable parameters, in fp32; param for
+// frozen ones, in their own dtype). manifest.json lists every piece with its file and byte offset,
+// and every file with its size, its CRC32C and a CRC32C per MiB. A load asks the sharding which
+// elements this rank holds now and reads exactly the pieces' bytes that overlap them (whole MiB
+// blocks, to check their CRCs), so any world size and stage resumes any other.
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/checkpoint/safetensors.h"
+#include "engine/comm/communicator.h"
+#include "engine/engine_state.h"
+#include "engine/error.h"
+#include "engine/runtime/runtime.h"
+#include "offload/crc32c.h"
+
+namespace zeal {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr int kFormatVersion = 1;
+constexpr int64_t kCrcBlock = 1 << 20;
+
+std::string st_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "F32";
+    case at::kBFloat16: return "BF16";
+    case at::kHalf: return "F16";
+    case at::kDouble: return "F64";
+    case at::kLong: return "I64";
+    case at::kInt: return "I32";
+    case at::kShort: return "I16";
+    case at::kChar: return "I8";
+    case at::kByte: return "U8";
+    case at::kBool: return "BOOL";
+    default: throw Error(fmt::format("checkpoint: no safetensors dtype for {}", c10::toString(t)));
+  }
+}
+
+at::ScalarType at_dtype(const std::string& d) {
+  static const std::map<std::string, at::ScalarType> m{
+      {"F32", at::kFloat}, {"BF16", at::kBFloat16}, {"F16", at::kHalf}, {"F64", at::kDouble}, {"I64", at::kLong},
+      {"I32", at::kInt},   {"I16", at::kShort},     {"I8", at::kChar},  {"U8", at::kByte},    {"BOOL", at::kBool}};
+  auto it = m.find(d);
+  if (it == m.end()) throw Error("checkpoint: unknown dtype " + d);
+  return it->second;
+}
+
+// A test hook: ZEAL_CHECKPOINT_KILL=write:<rank> kills that rank halfway through its file;
+// =latest kills rank 0 after the rename, before `latest` changes (a crash at the worst moments).
+void maybe_die(const std::string& point, int rank) {
+  const char* e = std::getenv("ZEAL_CHECKPOINT_KILL");
+  if (!e) return;
+  const std::string want(e);
+  if (want == point || want == point + ":" + std::to_string(rank)) ::raise(SIGKILL);
+}
+
+void fsync_path(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+void write_file_synced(const fs::path& p, const std::string& text) {
+  {
+    std::ofstream f(p, std::ios::binary | std::ios::trunc);
+    f << text;
+    if (!f.flush()) throw Error(fmt::format("checkpoint: cannot write {}", p.string()));
+  }
+  fsync_path(p);
+}
+
+// The frozen parameters outside stage 3 (whole on every rank), by name, each tensor once.
+std::vector<std::pair<std::string, at::Tensor>> frozen_params(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& item : m.named_parameters(true)) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    if (!item.value().requires_grad()) out.push_back({item.key(), item.value()});
+  }
+  return out;
+}
+
+// A piece of the checkpoint, as the manifest lists it.
+struct SavedPiece {
+  std::string file, dtype;
+  int64_t begin = 0, count = 0, offset = 0;  // elements of the parameter; byte offset in the file
+};
+
+struct SavedFile {
+  int64_t bytes = 0, crc_block = kCrcBlock;
+  uint32_t crc32c = 0;
+  std::vector<uint32_t> block_crcs;
+};
+
+// Reads bytes [offset, offset + n) of a checkpoint file into `out`, checking the CRC32C of every
+// block it touches; errors name the file and the block.
+void read_checked(const fs::path& path, const SavedFile& f, int64_t offset, int64_t n, char* out) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(fmt::format("checkpoint: {} is missing ({})", path.string(), std::strerror(errno)));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  const int64_t first = offset / f.crc_block, last = (offset + n - 1) / f.crc_block;
+  std::vector<char> block(static_cast<size_t>(f.crc_block));
+  for (int64_t b = first; b <= last; ++b) {
+    const int64_t at = b * f.crc_block, len = std::min(f.crc_block, f.bytes - at);
+    int64_t got = 0;
+    while (got < len) {
+      const ssize_t r = ::pread(fd, block.data() + got, static_cast<size_t>(len - got), at + got);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        throw Error(fmt::format("checkpoint: {} is truncated: bytes {}..{} cannot be read", path.string(), at + got,
+                                at + len));
+      }
+      got += r;
+    }
+    if (static_cast<size_t>(b) >= f.block_crcs.size() || offload::crc32c(block.data(), static_cast<size_t>(len)) != f.block_crcs[b]) {
+      throw Error(fmt::format("checkpoint: {} is corrupted: bytes {}..{} do not match their CRC32C", path.string(), at,
+                              at + len));
+    }
+    const int64_t lo = std::max(at, offset), hi = std::min(at + len, offset + n);
+    std::memcpy(out + (lo - offset), block.data() + (lo - at), static_cast<size_t>(hi - lo));
+  }
+}
+
+// Every rank's string, to every rank (collective).
+std::vector<std::string> all_strings(Engine& e, const std::string& text) {
+  at::Tensor bytes = at::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())}, at::kByte).clone();
+  const at::Tensor lens = e.gather(at::tensor({static_cast<int64_t>(text.size())}, at::kLong)).cpu();
+  const at::Tensor all = e.gather(bytes).cpu();
+  std::vector<std::string> out;
+  for (int64_t r = 0, at = 0; r < lens.numel(); ++r) {
+    const int64_t n = lens[r].item<int64_t>();
+    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + at, n);
+    at += n;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& options) {
+  if (!state_->zero) throw Error("save_state: prepare a model and its optimizer first");
+  if (state_->grads_pending || backward_pending_) {
+    throw Error("save_state: called in the middle of an accumulation (gradients of micro-steps not yet stepped "
+                "would be lost); save after opt.step()");
+  }
+  Communicator& c = comm();
+  const int rank = c.rank(), world = c.world_size();
+  // The directory: the one given, or the next automatic name (every rank's view agrees: max).
+  fs::path dir = dir_arg;
+  const bool automatic = dir.empty();
+  if (automatic) {
+    int64_t next = 0;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator("checkpoints", ec)) {
+      const std::string n = e.path().filename().string();
+      if (n.rfind("checkpoint_", 0) == 0 && n.find_first_not_of("0123456789", 11) == std::string::npos && n.size() > 11) {
+        next = std::max<int64_t>(next, std::stoll(n.substr(11)) + 1);
+      }
+    }
+    next = gather(at::tensor({next}, at::kLong)).max().item<int64_t>();
+    dir = fs::path("checkpoints") / ("checkpoint_" + std::to_string(next));
+  }
+  dir = fs::absolute(dir).lexically_normal();
+  if (dir.filename().empty()) dir = dir.parent_path();
+  const fs::path parent = dir.parent_path(), tmp = parent / ("." + dir.filename().string() + ".partial");
+  std::string error;
+  if (rank == 0) {
+    try {
+      fs::create_directories(parent);
+      fs::remove_all(tmp);  // a save that died before: never complete, never pointed at
+      fs::create_directories(tmp);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  wait_for_everyone();
+  // Every rank writes its file.
+  json mine = {{"rank", rank}};
+  const std::string file = fmt::format("rank{}.safetensors", rank);
+  zero::Sharding& z = *state_->zero;
+  z.begin_state_access();
+  try {
+    if (!error.empty()) throw Error(error);
+    c10::NoGradGuard no_grad;
+    std::vector<zero::StateRange> ranges = z.state_ranges(/*to_write=*/true);
+    if (z.stage() < 3 && rank == 0 && options.include_frozen) {
+      for (auto& [name, p] : frozen_params(*state_->module)) {
+        ranges.push_back({name, p.sizes().vec(), 0, p.numel(), p.detach().reshape({-1})});
+      }
+    }
+    if (z.stage() == 3 && !options.include_frozen) {
+      std::erase_if(ranges, [](const zero::StateRange& r) { return r.step == nullptr; });
+    }
+    struct Item {
+      const zero::StateRange* range;
+      std::string kind;
+    };
+    std::vector<Item> items;
+    std::vector<ckpt::TensorEntry> entries;
+    for (const auto& r : ranges) {
+      std::vector<std::string> kinds{"param"};
+      if (r.step) {
+        kinds = {"master"};
+        for (const auto& s : r.step->state_names()) kinds.push_back(s);
+      }
+      for (const auto& k : kinds) {
+        const std::string dtype = r.step ? "F32" : st_dtype(r.values.scalar_type());
+        entries.push_back({fmt::format("{}/{}/{}", k, r.name, r.begin), dtype, {r.count},
+                           r.count * ckpt::dtype_size(dtype)});
+        items.push_back({&r, k});
+      }
+    }
+    offload::IoOptions io;
+    if (state_->io) io = state_->io->options();
+    io.verify = false;
+    ckpt::SafetensorsWriter w((tmp / file).string(), entries,
+                              {{"format", "zeal-checkpoint"}, {"rank", std::to_string(rank)}}, io, kCrcBlock);
+    std::vector<float> chunk(1 << 20);
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (i == items.size() / 2) maybe_die("write", rank);
+      const auto& r = *items[i].range;
+      if (!r.step) {
+        const at::Tensor v = r.values.cpu().contiguous();
+        w.append(v.data_ptr(), v.nbytes());
+        continue;
+      }
+      for (int64_t at = 0; at < r.count; at += static_cast<int64_t>(chunk.size())) {
+        const int64_t n = std::min<int64_t>(static_cast<int64_t>(chunk.size()), r.count - at);
+        r.step->read_state(items[i].kind, r.index + at, n, chunk.data());
+        w.append(chunk.data(), n * 4);
+      }
+    }
+    const ckpt::FileDigest d = w.finish();
+    json pieces = json::array();
+    for (size_t i = 0; i < items.size(); ++i) {
+      const auto& r = *items[i].range;
+      pieces.push_back({{"kind", items[i].kind}, {"name", r.name}, {"shape", r.shape}, {"begin", r.begin},
+                        {"count", r.count}, {"dtype", w.entries()[i].dtype}, {"offset", w.entries()[i].offset},
+                        {"trainable", r.step != nullptr}});
+    }
+    mine["file"] = {{"name", file}, {"bytes", d.bytes}, {"crc32c", d.crc32c}, {"crc_block", d.crc_block},
+                    {"block_crcs", d.block_crcs}};
+    mine["pieces"] = std::move(pieces);
+  } catch (const std::exception& e) {
+    mine["error"] = e.what();
+  }
+  z.end_state_access(/*changed=*/false);
+  // Every rank's outcome and pieces to every rank (rank 0 writes the manifest; all agree on errors).
+  std::vector<json> reports;
+  for (const auto& t : all_strings(*this, mine.dump())) reports.push_back(json::parse(t));
+  std::string failed;
+  for (const auto& rep : reports) {
+    if (rep.contains("error")) failed += fmt::format("\n  rank {}: {}", rep["rank"].get<int>(), rep["error"].get<std::string>());
+  }
+  if (failed.empty() && rank == 0) {
+    try {
+      json m;
+      m["format"] = "zeal-checkpoint";
+      m["version"] = kFormatVersion;
+      m["world_size"] = world;
+      m["zero_stage"] = z.stage();
+      m["compute_dtype"] = c10::toString(compute_dtype_);
+      m["optimizer_steps"] = optimizer_steps_;
+      json scheds = json::array();
+      for (const auto& s : state_->schedulers) scheds.push_back({{"seen_steps", s.seen_steps}});
+      m["schedulers"] = scheds;
+      if (state_->scaler) {
+        const auto sc = state_->scaler->snapshot();
+        m["loss_scaler"] = {{"scale", sc.scale}, {"left", sc.left}, {"iter", sc.iter},
+                            {"last_overflow", sc.last_overflow}, {"skipped", sc.skipped}};
+      }
+      json files = json::object(), pieces = json::array();
+      for (const auto& rep : reports) {
+        files[rep["file"]["name"].get<std::string>()] = rep["file"];
+        for (auto p : rep["pieces"]) {
+          p["file"] = rep["file"]["name"];
+          pieces.push_back(std::move(p));
+        }
+      }
+      m["files"] = files;
+      m["pieces"] = pieces;
+      write_file_synced(tmp / "manifest.json", m.dump(1));
+      fsync_path(tmp);
+      // The new checkpoint takes the name only now, complete; an old one there goes after.
+      const fs::path old = parent / ("." + dir.filename().string() + ".old");
+      fs::remove_all(old);
+      if (fs::exists(dir)) fs::rename(dir, old);
+      fs::rename(tmp, dir);
+      fsync_path(parent);
+      fs::remove_all(old);
+      maybe_die("latest", rank);
+      write_file_synced(parent / ".latest.partial", dir.filename().string() + "\n");
+      fs::rename(parent / ".latest.partial", parent / "latest");
+      fsync_path(parent);
+      if (automatic && options.total_limit > 0) {
+        std::vector<std::pair<int64_t, fs::path>> found;
+        for (const auto& e : fs::directory_iterator(parent)) {
+          const std::string n = e.path().filename().string();
+          if (n.rfind("checkpoint_", 0) == 0 && n.size() > 11 && n.find_first_not_of("0123456789", 11) == std::string::npos) {
+            found.push_back({std::stoll(n.substr(11)), e.path()});
+          }
+        }
+        std::sort(found.begin(), found.end());
+        for (size_t i = 0; i + options.total_limit < found.size(); ++i) fs::remove_all(found[i].second);
+      }
+    } catch (const std::exception& e) {
+      failed = fmt::format("\n  rank 0, finishing: {}", e.what());
+    }
+  }
+  // Rank 0's outcome to everyone.
+  const bool ok = gather(at::tensor({failed.empty() ? 1 : 0}, at::kLong)).min().item<int64_t>() == 1;
+  if (!ok) {
+    if (rank == 0) fs::remove_all(tmp);
+    throw Error(fmt::format("save_state: {} was not saved (the previous checkpoint, if any, is unchanged):{}",
+                            dir.string(), failed.empty() ? "\n  another rank failed" : failed));
+  }
+  return dir.string();
+}
+
+void Engine::load_state(const std::string& dir_arg) {
+  if (!state_->zero) throw Error("load_state: prepare a model and its optimizer first");
+  fs::path dir = dir_arg.empty() ? fs::path("checkpoints") : fs::path(dir_arg);
+  if (!fs::exists(dir / "manifest.json") && fs::exists(dir / "latest")) {
+    std::ifstream f(dir / "latest");
+    std::string name;
+    std::getline(f, name);
+    dir = dir / name;
+  }
+  Communicator& c = comm();
+  (void)c;
+  zero::Sharding& z = *state_->zero;
+  struct Loaded {
+    const zero::StateRange* range;
+    std::string kind;
+    std::vector<char> bytes;
+    std::string dtype;
+  };
+  std::vector<zero::StateRange> ranges;
+  std::vector<Loaded> loaded;
+  std::vector<std::pair<std::string, at::Tensor>> frozen_whole;  // stages 0-2
+  json m;
+  std::string error;
+  z.begin_state_access();
+  try {
+    if (!fs::exists(dir / "manifest.json")) {
+      throw Error(fmt::format("{} holds no checkpoint (no manifest.json, no latest)", dir.string()));
+    }
+    std::ifstream mf(dir / "manifest.json");
+    try {
+      m = json::parse(mf);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("{} is not valid JSON ({})", (dir / "manifest.json").string(), e.what()));
+    }
+    if (m.value("format", "") != "zeal-checkpoint" || m.value("version", 0) > kFormatVersion) {
+      throw Error(fmt::format("{} is not a zeal checkpoint of version {} or older", (dir / "manifest.json").string(),
+                              kFormatVersion));
+    }
+    std::map<std::string, SavedFile> files;
+    for (auto it = m["files"].begin(); it != m["files"].end(); ++it) {
+      SavedFile f;
+      f.bytes = it.value()["bytes"].get<int64_t>();
+      f.crc32c = it.value()["crc32c"].get<uint32_t>();
+      f.crc_block = it.value()["crc_block"].get<int64_t>();
+      f.block_crcs = it.value()["block_crcs"].get<std::vector<uint32_t>>();
+      const fs::path p = dir / it.key();
+      std::error_code ec;
+      const auto size = fs::file_size(p, ec);
+      if (ec) throw Error(fmt::format("{} is missing", p.string()));
+      if (static_cast<int64_t>(size) != f.bytes) {
+        throw Error(fmt::format("{} is truncated or changed: {} bytes, the manifest says {}", p.string(), size, f.bytes));
+      }
+      files[it.key()] = std::move(f);
+    }
+    // Pieces by kind and name.
+    std::map<std::pair<std::string, std::string>, std::vector<SavedPiece>> by;
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const auto& p : m["pieces"]) {
+      by[{p["kind"].get<std::string>(), p["name"].get<std::string>()}].push_back(
+          {p["file"].get<std::string>(), p["dtype"].get<std::string>(), p["begin"].get<int64_t>(),
+           p["count"].get<int64_t>(), p["offset"].get<int64_t>()});
+      shapes[p["name"].get<std::string>()] = p["shape"].get<std::vector<int64_t>>();
+    }
+    ranges = z.state_ranges(/*to_write=*/false);
+    if (z.stage() < 3) {
+      frozen_whole = frozen_params(*state_->module);
+      for (auto& [name, p] : frozen_whole) ranges.push_back({name, p.sizes().vec(), 0, p.numel(), p.detach().reshape({-1})});
+    }
+    for (const auto& r : ranges) {
+      const auto sh = shapes.find(r.name);
+      if (sh == shapes.end()) {
+        if (!r.step) continue;  // a frozen parameter saved without frozen weights: it keeps its value
+        throw Error(fmt::format("the checkpoint has no parameter '{}'", r.name));
+      }
+      if (sh->second != r.shape) {
+        throw Error(fmt::format("parameter '{}' is {} in the checkpoint and {} in the model", r.name,
+                                json(sh->second).dump(), json(r.shape).dump()));
+      }
+      std::vector<std::string> kinds{r.step ? "master" : "param"};
+      if (r.step)
+        for (const auto& s : r.step->state_names()) kinds.push_back(s);
+      for (const auto& k : kinds) {
+        auto pit = by.find({k, r.name});
+        if (pit == by.end()) {
+          throw Error(fmt::format("the checkpoint has no {} for parameter '{}' (saved with another optimizer?)",
+                                  k, r.name));
+        }
+        const std::string dtype = pit->second.front().dtype;
+        const int64_t es = ckpt::dtype_size(dtype);
+        Loaded l{&r, k, std::vector<char>(static_cast<size_t>(r.count * es)), dtype};
+        int64_t covered = 0;
+        for (const auto& p : pit->second) {
+          const int64_t lo = std::max(p.begin, r.begin), hi = std::min(p.begin + p.count, r.begin + r.count);
+          if (lo >= hi) continue;
+          if (p.dtype != dtype) throw Error(fmt::format("the pieces of {} of '{}' differ in dtype", k, r.name));
+          read_checked(dir / p.file, files.at(p.file), p.offset + (lo - p.begin) * es, (hi - lo) * es,
+                       l.bytes.data() + (lo - r.begin) * es);
+          covered += hi - lo;
+        }
+        if (covered != r.count) {
+          throw Error(fmt::format("the checkpoint covers {} of the {} elements of {} of '{}' this rank needs", covered,
+                                  r.count, k, r.name));
+        }
+        loaded.push_back(std::move(l));
+      }
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  // Nothing changes unless every rank read and checked everything it needs.
+  std::string failed;
+  const auto errors = all_strings(*this, error);
+  for (size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) failed += fmt::format("\n  rank {}: {}", r, errors[r]);
+  if (!failed.empty()) {
+    z.end_state_access(/*changed=*/false);
+    throw Error(fmt::format("load_state: {}: nothing was changed:{}", dir.string(), failed));
+  }
+  {
+    c10::NoGradGuard no_grad;
+    for (auto& l : loaded) {
+      const zero::StateRange& r = *l.range;
+      const at::Tensor src = at::from_blob(l.bytes.data(), {r.count}, at::TensorOptions().dtype(at_dtype(l.dtype)));
+      if (l.kind == "param") {
+        r.values.copy_(src);
+      } else {
+        const at::Tensor f32 = src.to(at::kFloat);
+        r.step->write_state(l.kind, r.index, r.count, f32.data_ptr<float>());
+        if (l.kind == "master") r.values.copy_(f32);  // the compute copy, as the step writes it
+      }
+    }
+    for (zero::ShardStep* s : z.steps()) s->optimizer().set_steps(m["optimizer_steps"].get<int64_t>());
+  }
+  loaded.clear();
+  z.end_state_access(/*changed=*/true);
+  optimizer_steps_ = m["optimizer_steps"].get<int64_t>();
+  micro_steps_ = 0;
+  if (state_->scaler && m.contains("loss_scaler")) {
+    const auto& s = m["loss_scaler"];
+    LossScaler::Snapshot snap;
+    snap.scale = s["scale"].get<double>();
+    snap.left = s["left"].get<int64_t>();
+    snap.iter = s["iter"].get<int64_t>();
+    snap.last_overflow = s["last_overflow"].get<int64_t>();
+    snap.skipped = s["skipped"].get<int64_t>();
+    state_->scaler->restore(snap);
+  }
+  // LibTorch schedulers are stepped up to the saved count (their own counters are not reachable);
+  // zeal's follow the optimizer step count by themselves.
+  const auto& saved = m["schedulers"];
+  for (size_t i = 0; i < state_->schedulers.size() && i < saved.size(); ++i) {
+    auto& s = state_->schedulers[i];
+    const int64_t want = saved[i]["seen_steps"];
+    for (; s.seen_steps < want; ++s.seen_steps)
+      if (s.torch) s.torch->step();
+  }
+  zero_grad();
+}
+
+}  // namespace zeal

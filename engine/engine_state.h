@@ -1,0 +1,58 @@
+// Engine::State: what an Engine holds beyond its header (shared by engine.cpp and the checkpoint
+// code). Internal: not installed for programs.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
+
+#include "engine/engine.h"
+#include "engine/optim/loss_scale.h"
+#include "engine/runtime/device_choice.h"
+#include "engine/zero/init.h"
+#include "engine/zero/offload_state.h"
+#include "engine/zero/zero_optimizer.h"
+#include "offload/host_arena.h"
+#include "offload/swap_dir.h"
+
+namespace zeal {
+
+struct Engine::State {
+  std::shared_ptr<torch::nn::Module> module;
+  torch::optim::Optimizer* torch_optimizer = nullptr;
+  std::unique_ptr<zero::Sharding> zero;
+  // Schedules: LibTorch ones step the LibTorch optimizer's rates; zeal ones give the rate of
+  // optimizer step t directly (the config's, or one the program prepared).
+  struct Scheduler {
+    torch::optim::LRScheduler* torch = nullptr;
+    std::shared_ptr<optim::LrSchedule> zeal;
+    int64_t seen_steps = 0;  // optimizer steps this scheduler has been stepped for
+  };
+  std::vector<Scheduler> schedulers;
+  std::shared_ptr<optim::LrSchedule> config_schedule;
+  std::vector<double> base_lrs;  // per group, when no LibTorch optimizer gives them
+  std::unique_ptr<LossScaler> scaler;
+  std::shared_ptr<data::Progress> progress = std::make_shared<data::Progress>();
+  int64_t loader_batch_size = 0;
+  bool backward_in_micro_step = false, grads_pending = false;
+  int64_t micro_steps_begun = 0;  // every micro-step so far (collectives' descriptions, agreement points)
+  int64_t passes_seen = 0;        // backward passes the sharding had ended at the last step
+  // engine.init: slices of partitioned parameters (until Stage3 takes them), what it measured.
+  std::shared_ptr<zero::InitShards> init_shards;
+  zero::InitReport init_report;
+  bool init_done = false;
+  CudaBackend cuda_backend = CudaBackend::kNccl;  // which communicator carries CUDA tensors
+  std::shared_ptr<offload::HostArena> offload;     // offload_optimizer.device cpu or nvme
+  std::shared_ptr<zero::NvmeOffload> nvme;         // offload_optimizer.device nvme
+  std::shared_ptr<zero::ParamSwap> param_swap;     // offload_param.device nvme
+  std::shared_ptr<offload::IoEngine> io;           // either on nvme
+  std::map<std::string, std::shared_ptr<offload::SwapDir>> swap_dirs;  // by nvme_path
+  std::string run_id;
+};
+
+}  // namespace zeal

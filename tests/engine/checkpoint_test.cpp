@@ -1,0 +1,344 @@
+// Checkpoints (engine.save_state / engine.load_state): a run of 6 optimizer steps against one of
+// 3 steps, a save, a new engine (a new process group) that loads it and 3 more steps — the same
+// samples in the same steps. At the same world size and stage the final parameters are the same
+// bits (every stage, bf16, accumulation, CPU and NVMe offload, frozen weights); at another world
+// size and stage within 1e-5 (other summation orders). A corrupted, truncated or missing file fails
+// the load naming it, with the parameters untouched; a save killed mid-way leaves the previous
+// checkpoint and `latest` as they were; total_limit keeps the newest; Python's safetensors reads
+// the files.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/engine/engine_harness.h"
+
+namespace zeal_test {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr int kSteps = 6;
+
+struct Phase {
+  RunSpec spec;
+  int from = 0, to = kSteps;
+  std::string load, save;  // directories (empty: none)
+};
+
+// Trains steps [from, to) of a run whose step k always sees the same global batch (samples
+// k·B … (k+1)·B − 1 of one fixed stream, B the global batch), loading before and saving after as
+// asked; returns every rank's final parameters.
+std::vector<at::Tensor> run_phase(const Phase& p, const std::string& name) {
+  const RunSpec& s = p.spec;
+  const std::string out = temp_dir("ckpt_out_" + name);
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(make_config(s), rt);
+        zeal_test::Setup u = make_setup(s);
+        auto [m, o] = engine.prepare(u.model, *u.opt);
+        if (!p.load.empty()) engine.load_state(p.load);
+        const int64_t per_step = s.micro_batch * s.world * s.accumulation;
+        at::Tensor tokens = make_tokens(per_step * kSteps);
+        for (int step = p.from; step < p.to; ++step) {
+          for (int micro = 0; micro < s.accumulation; ++micro) {
+            auto guard = engine.accumulate(m);
+            const int64_t first = step * per_step + (micro * s.world + engine.process_index()) * s.micro_batch;
+            at::Tensor loss;
+            {
+              auto ac = engine.autocast();
+              loss = lm_loss(m, tokens.narrow(0, first, s.micro_batch));
+            }
+            engine.backward(loss);
+            if (engine.sync_gradients() && s.clip > 0) engine.clip_grad_norm_(s.clip);
+            o.step();
+            o.zero_grad();
+          }
+        }
+        if (!p.save.empty()) engine.save_state(p.save);
+        auto g = engine.gathered();
+        write_tensor(out + "/params_" + std::to_string(engine.process_index()), flat_params(*m));
+      },
+      s.world);
+  EXPECT_EQ(zeal::describe_failures(results), "") << name;
+  std::vector<at::Tensor> params;
+  for (int r = 0; r < s.world; ++r) params.push_back(read_tensor(out + "/params_" + std::to_string(r)));
+  fs::remove_all(out);
+  return params;
+}
+
+struct ResumeCase {
+  std::string label;
+  RunSpec before, after;  // the run that saves, the run that resumes
+};
+
+void PrintTo(const ResumeCase& c, std::ostream* os) { *os << c.label; }
+
+RunSpec spec(int stage, int world, std::string precision = "no", int accumulation = 1, int64_t micro_batch = 2) {
+  RunSpec s;
+  s.stage = stage;
+  s.world = world;
+  s.precision = std::move(precision);
+  s.accumulation = accumulation;
+  s.micro_batch = micro_batch;
+  return s;
+}
+
+class Resume : public ::testing::TestWithParam<ResumeCase> {};
+
+TEST_P(Resume, ThreeStepsSavedAndThreeResumedMatchSixInOneRun) {
+  const ResumeCase& c = GetParam();
+  const std::string ckpt = temp_dir("ckpt_" + c.label);
+  RunSpec before = c.before, after = c.after;
+  const std::string swap = temp_dir("ckpt_swap_" + c.label);
+  for (RunSpec* s : {&before, &after}) {
+    if (!s->nvme_path.empty()) s->nvme_path = swap;
+    if (!s->param_nvme_path.empty()) s->param_nvme_path = swap;
+  }
+  const auto whole = run_phase({after, 0, kSteps, "", ""}, c.label + "_whole");
+  (void)run_phase({before, 0, kSteps / 2, "", ckpt}, c.label + "_first");
+  ASSERT_TRUE(fs::exists(fs::path(ckpt) / "manifest.json"));
+  const auto resumed = run_phase({after, kSteps / 2, kSteps, ckpt, ""}, c.label + "_resumed");
+  const bool same_layout = before.world == after.world && before.stage == after.stage;
+  for (size_t r = 0; r < resumed.size(); ++r) {
+    if (same_layout) {
+      EXPECT_TRUE(at::equal(whole[r], resumed[r])) << "rank " << r << ": largest difference "
+                                                   << (whole[r] - resumed[r]).abs().max().item<double>();
+    } else {
+      const double d = rel_diff(resumed[r], whole[r]);
+      std::printf("metric resume %s rank %zu rel_diff %.3g\n", c.label.c_str(), r, d);
+      EXPECT_LE(d, 1e-5) << "rank " << r;
+    }
+  }
+  fs::remove_all(ckpt);
+  fs::remove_all(swap);
+}
+
+RunSpec with_offload(RunSpec s) {
+  s.offload = true;
+  return s;
+}
+RunSpec with_nvme(RunSpec s) {
+  s.nvme_path = "x";
+  s.param_nvme_path = "x";
+  s.sub_group = 1000;
+  return s;
+}
+RunSpec frozen(RunSpec s) {
+  s.freeze_ln1 = true;
+  s.freeze_embeddings = true;
+  return s;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, Resume,
+    ::testing::Values(ResumeCase{"stage0_world2", spec(0, 2), spec(0, 2)},
+                      ResumeCase{"stage1_world2_bf16_accum2", spec(1, 2, "bf16", 2), spec(1, 2, "bf16", 2)},
+                      ResumeCase{"stage2_world3", spec(2, 3), spec(2, 3)},
+                      ResumeCase{"stage3_world2_bf16_frozen", frozen(spec(3, 2, "bf16")), frozen(spec(3, 2, "bf16"))},
+                      ResumeCase{"stage3_world2_cpu_offload", with_offload(spec(3, 2)), with_offload(spec(3, 2))},
+                      ResumeCase{"stage3_world2_nvme", with_nvme(spec(3, 2)), with_nvme(spec(3, 2))},
+                      ResumeCase{"stage3_world2_to_stage0_world1", spec(3, 2), spec(0, 1, "no", 1, 4)},
+                      ResumeCase{"stage1_world3_to_stage3_world2_offload", spec(1, 3, "no", 1, 2),
+                                 with_offload(spec(3, 2, "no", 1, 3))},
+                      ResumeCase{"stage3_world3_nvme_frozen_to_stage2_world2", frozen(with_nvme(spec(3, 3, "no", 1, 2))),
+                                 frozen(spec(2, 2, "no", 1, 3))}),
+    [](const ::testing::TestParamInfo<ResumeCase>& i) { return i.param.label; });
+
+// A checkpoint saved by one process for the damage tests.
+std::string saved_checkpoint(const std::string& name, RunSpec s) {
+  const std::string ckpt = temp_dir(name);
+  (void)run_phase({s, 0, 2, "", ckpt}, name + "_save");
+  return ckpt;
+}
+
+// What a load of `ckpt` on s.world ranks gives: rank 0's error ("accepted" without one), and
+// whether every rank's parameters stayed as prepare made them.
+std::pair<std::string, bool> load_error(const std::string& ckpt, const RunSpec& s) {
+  const std::string out = temp_dir("ckpt_damage_out");
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(make_config(s), rt);
+        zeal_test::Setup u = make_setup(s);
+        auto [m, o] = engine.prepare(u.model, *u.opt);
+        at::Tensor before;
+        {
+          auto g = engine.gathered();
+          before = flat_params(*m);
+        }
+        std::string msg = "accepted";
+        try {
+          engine.load_state(ckpt);
+        } catch (const zeal::Error& e) {
+          msg = e.what();
+        }
+        auto g = engine.gathered();
+        const std::string me = std::to_string(engine.process_index());
+        write_tensor(out + "/same_" + me, at::tensor({at::equal(before, flat_params(*m)) ? 1 : 0}));
+        std::ofstream(out + "/message_" + me) << msg;
+      },
+      s.world);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+  bool same = true;
+  for (int r = 0; r < s.world; ++r) {
+    const std::string f = out + "/same_" + std::to_string(r);
+    same = same && fs::exists(f) && read_tensor(f).item<int64_t>() == 1;
+  }
+  std::ifstream f(out + "/message_0");
+  std::string error((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  fs::remove_all(out);
+  return {error, same};
+}
+
+TEST(CheckpointDamage, CorruptTruncatedAndMissingFilesAreNamedAndChangeNothing) {
+  RunSpec s = spec(3, 2);
+  const std::string ckpt = saved_checkpoint("ckpt_damage", s);
+  const fs::path f = fs::path(ckpt) / "rank1.safetensors";
+  std::vector<char> bytes;
+  {
+    std::ifstream in(f, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ASSERT_GT(bytes.size(), 1000u);
+  // One byte flipped in the last tensor's data.
+  {
+    std::vector<char> bad = bytes;
+    bad[bad.size() - 3] ^= 0x40;
+    std::ofstream(f, std::ios::binary | std::ios::trunc).write(bad.data(), static_cast<std::streamsize>(bad.size()));
+    const auto [e, same] = load_error(ckpt, s);
+    EXPECT_NE(e.find("rank1.safetensors is corrupted"), std::string::npos) << e;
+    EXPECT_NE(e.find("nothing was changed"), std::string::npos) << e;
+    EXPECT_TRUE(same) << "a failed load changed the parameters";
+  }
+  // Truncated.
+  {
+    std::ofstream(f, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
+    const auto [e, same] = load_error(ckpt, s);
+    EXPECT_NE(e.find("rank1.safetensors is truncated"), std::string::npos) << e;
+    EXPECT_TRUE(same);
+  }
+  // Missing.
+  {
+    fs::remove(f);
+    const auto [e, same] = load_error(ckpt, s);
+    EXPECT_NE(e.find("rank1.safetensors is missing"), std::string::npos) << e;
+    EXPECT_TRUE(same);
+  }
+  // A model with a parameter the checkpoint lacks.
+  {
+    std::ofstream(f, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    RunSpec deeper = s;
+    deeper.layers = s.layers + 1;
+    const auto [e, same] = load_error(ckpt, deeper);
+    EXPECT_NE(e.find("the checkpoint has no parameter 'block" + std::to_string(s.layers)), std::string::npos) << e;
+    EXPECT_TRUE(same);
+  }
+  fs::remove_all(ckpt);
+}
+
+// kill -9 in the middle of a save: while a rank writes its file, and on rank 0 after the new
+// directory took its name but before `latest` moved. The previous checkpoint stays loadable; in the
+// first case `latest` and the directory are as before, in the second `latest` still names the
+// previous one.
+TEST(CheckpointCrash, AKilledSaveLeavesThePreviousCheckpoint) {
+  const fs::path root = temp_dir("ckpt_crash");
+  RunSpec s = spec(2, 1);
+  (void)run_phase({s, 0, 2, "", (root / "first").string()}, "crash_first");
+  ASSERT_TRUE(fs::exists(root / "latest"));
+  auto latest = [&] {
+    std::ifstream f(root / "latest");
+    std::string n;
+    std::getline(f, n);
+    return n;
+  };
+  EXPECT_EQ(latest(), "first");
+  for (const std::string point : {"write:0", "latest"}) {
+    ::setenv("ZEAL_CHECKPOINT_KILL", point.c_str(), 1);
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Engine engine(make_config(s), rt);
+          zeal_test::Setup u = make_setup(s);
+          auto [m, o] = engine.prepare(u.model, *u.opt);
+          engine.save_state((root / "second").string());
+        },
+        1);
+    ::unsetenv("ZEAL_CHECKPOINT_KILL");
+    EXPECT_NE(zeal::describe_failures(results), "") << point << ": the save was not killed";
+    EXPECT_EQ(latest(), "first") << point;
+    EXPECT_EQ(fs::exists(root / "second" / "manifest.json"), point == "latest") << point;
+    // The previous checkpoint loads.
+    const auto [e, same] = load_error(root.string(), s);
+    EXPECT_EQ(e, "accepted") << point;
+    EXPECT_FALSE(same) << point << ": the load changed nothing";
+    fs::remove_all(root / "second");
+  }
+  fs::remove_all(root);
+}
+
+TEST(CheckpointNames, AutomaticNamesKeepTotalLimit) {
+  const fs::path root = temp_dir("ckpt_auto");
+  RunSpec s = spec(1, 2);
+  const fs::path cwd = fs::current_path();
+  fs::current_path(root);
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(make_config(s), rt);
+        zeal_test::Setup u = make_setup(s);
+        auto [m, o] = engine.prepare(u.model, *u.opt);
+        for (int k = 0; k < 3; ++k) engine.save_state("", {.include_frozen = true, .total_limit = 2});
+      },
+      s.world);
+  fs::current_path(cwd);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+  EXPECT_FALSE(fs::exists(root / "checkpoints" / "checkpoint_0"));
+  EXPECT_TRUE(fs::exists(root / "checkpoints" / "checkpoint_1" / "manifest.json"));
+  EXPECT_TRUE(fs::exists(root / "checkpoints" / "checkpoint_2" / "manifest.json"));
+  std::ifstream f(root / "checkpoints" / "latest");
+  std::string n;
+  std::getline(f, n);
+  EXPECT_EQ(n, "checkpoint_2");
+  fs::remove_all(root);
+}
+
+// Python's safetensors (the peers' environment, or any python3 that has it) opens every rank's
+// file and finds each piece the manifest names, with its dtype, shape and bytes.
+TEST(CheckpointFormat, PythonSafetensorsReadsTheFiles) {
+  std::string python = "python3";
+  const char* home = std::getenv("HOME");
+  if (std::getenv("ZEAL_PEERS_PYTHON")) {
+    python = std::getenv("ZEAL_PEERS_PYTHON");
+  } else if (home && fs::exists(fs::path(home) / ".cache/zeal/peers/bin/python")) {
+    python = (fs::path(home) / ".cache/zeal/peers/bin/python").string();  // scripts/peers' default
+  }
+  if (std::system((python + " -c 'import safetensors, torch' 2>/dev/null").c_str()) != 0) {
+    GTEST_SKIP() << python << " has no safetensors and torch (scripts/peers installs them; ZEAL_PEERS_PYTHON names it)";
+  }
+  const std::string ckpt = saved_checkpoint("ckpt_python", frozen(spec(3, 2, "bf16")));
+  const std::string script = ckpt + "/check.py";
+  std::ofstream(script) << R"(import json, sys, torch
+from safetensors.torch import load_file
+d = sys.argv[1]
+m = json.load(open(d + "/manifest.json"))
+files = {f: load_file(d + "/" + f) for f in m["files"]}
+names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+n = 0
+for p in m["pieces"]:
+    t = files[p["file"]]["%s/%s/%d" % (p["kind"], p["name"], p["begin"])]
+    assert tuple(t.shape) == (p["count"],), (p, t.shape)
+    assert t.dtype == names[p["dtype"]], (p, t.dtype)
+    n += 1
+assert n == sum(len(f) for f in files.values())
+print("pieces", n)
+)";
+  const int rc = std::system((python + " " + script + " " + ckpt).c_str());
+  EXPECT_EQ(rc, 0);
+  fs::remove_all(ckpt);
+}
+
+}  // namespace
+}  // namespace zeal_test
