@@ -14,13 +14,17 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -236,6 +240,10 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
         items.push_back({&r, k});
       }
     }
+    // This rank's random number generators (restored by a load at the same world size).
+    std::vector<std::pair<std::string, at::Tensor>> rng{{"rng/cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+    if (device_.is_cuda()) rng.push_back({"rng/cuda", at::globalContext().defaultGenerator(device_).get_state()});
+    for (const auto& [key, t] : rng) entries.push_back({key, "U8", {t.numel()}, t.numel()});
     offload::IoOptions io;
     if (state_->io) io = state_->io->options();
     io.verify = false;
@@ -255,6 +263,10 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
         r.step->read_state(items[i].kind, r.index + at, n, chunk.data());
         w.append(chunk.data(), n * 4);
       }
+    }
+    for (const auto& [key, t] : rng) {
+      const at::Tensor b = t.contiguous();
+      w.append(b.data_ptr(), b.numel());
     }
     const ckpt::FileDigest d = w.finish();
     json pieces = json::array();
@@ -353,7 +365,6 @@ void Engine::load_state(const std::string& dir_arg) {
     dir = dir / name;
   }
   Communicator& c = comm();
-  (void)c;
   zero::Sharding& z = *state_->zero;
   struct Loaded {
     const zero::StateRange* range;
@@ -365,6 +376,7 @@ void Engine::load_state(const std::string& dir_arg) {
   std::vector<Loaded> loaded;
   std::vector<std::pair<std::string, at::Tensor>> frozen_whole;  // stages 0-2
   json m;
+  std::map<std::string, SavedFile> files_;
   std::string error;
   z.begin_state_access();
   try {
@@ -381,7 +393,7 @@ void Engine::load_state(const std::string& dir_arg) {
       throw Error(fmt::format("{} is not a zeal checkpoint of version {} or older", (dir / "manifest.json").string(),
                               kFormatVersion));
     }
-    std::map<std::string, SavedFile> files;
+    std::map<std::string, SavedFile>& files = files_;
     for (auto it = m["files"].begin(); it != m["files"].end(); ++it) {
       SavedFile f;
       f.bytes = it.value()["bytes"].get<int64_t>();
@@ -478,6 +490,26 @@ void Engine::load_state(const std::string& dir_arg) {
   }
   loaded.clear();
   z.end_state_access(/*changed=*/true);
+  // Random number generators: each rank its own, when the world size is the one that saved them.
+  const int saved_world = m["world_size"].get<int>();
+  if (saved_world == c.world_size()) {
+    const std::string file = fmt::format("rank{}.safetensors", c.rank());
+    const auto header = ckpt::read_safetensors_header((dir / file).string());
+    for (const std::string key : {"rng/cpu", "rng/cuda"}) {
+      const auto it = header.tensors.find(key);
+      if (it == header.tensors.end()) continue;
+      if (key == "rng/cuda" && !device_.is_cuda()) continue;
+      at::Tensor t = at::empty({it->second.bytes}, at::kByte);
+      read_checked(dir / file, files_.at(file), it->second.offset, it->second.bytes, static_cast<char*>(t.data_ptr()));
+      at::Generator g = key == "rng/cpu" ? at::detail::getDefaultCPUGenerator()
+                                         : at::globalContext().defaultGenerator(device_);  // a handle
+      std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_state(t);
+    }
+  } else if (c.rank() == 0) {
+    std::fprintf(stderr, "zeal: load_state: random number generators not restored (saved by %d ranks, running on %d)\n",
+                 saved_world, c.world_size());
+  }
   optimizer_steps_ = m["optimizer_steps"].get<int64_t>();
   micro_steps_ = 0;
   if (state_->scaler && m.contains("loss_scaler")) {

@@ -150,6 +150,40 @@ INSTANTIATE_TEST_SUITE_P(
                                  frozen(spec(2, 2, "no", 1, 3))}),
     [](const ::testing::TestParamInfo<ResumeCase>& i) { return i.param.label; });
 
+// Every rank's random number generator continues where it was at the save, when the world size
+// is the same: what each rank draws right after its save is what it draws right after the load.
+TEST(CheckpointRng, EachRankContinuesItsOwnRandomStream) {
+  const std::string ckpt = temp_dir("ckpt_rng"), out = temp_dir("ckpt_rng_out");
+  RunSpec s = spec(2, 2);
+  for (const bool load : {false, true}) {
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Engine engine(make_config(s), rt);
+          zeal_test::Setup u = make_setup(s);
+          auto [m, o] = engine.prepare(u.model, *u.opt);
+          const std::string me = std::to_string(engine.process_index());
+          if (load) {
+            at::manual_seed(999);  // another stream, which the load must replace
+            engine.load_state(ckpt);
+          } else {
+            at::manual_seed(100 + engine.process_index());
+            (void)at::rand({7});
+            engine.save_state(ckpt);
+          }
+          write_tensor(out + (load ? "/after_load_" : "/after_save_") + me, at::rand({5}));
+        },
+        s.world);
+    ASSERT_EQ(zeal::describe_failures(results), "");
+  }
+  for (int r = 0; r < s.world; ++r) {
+    const at::Tensor a = read_tensor(out + "/after_save_" + std::to_string(r));
+    EXPECT_TRUE(at::equal(a, read_tensor(out + "/after_load_" + std::to_string(r)))) << "rank " << r;
+    if (r > 0) EXPECT_FALSE(at::equal(a, read_tensor(out + "/after_save_0"))) << "the ranks drew the same stream";
+  }
+  fs::remove_all(ckpt);
+  fs::remove_all(out);
+}
+
 // A checkpoint saved by one process for the damage tests.
 std::string saved_checkpoint(const std::string& name, RunSpec s) {
   const std::string ckpt = temp_dir(name);
@@ -332,7 +366,9 @@ for p in m["pieces"]:
     assert tuple(t.shape) == (p["count"],), (p, t.shape)
     assert t.dtype == names[p["dtype"]], (p, t.dtype)
     n += 1
-assert n == sum(len(f) for f in files.values())
+assert n == sum(len([k for k in f if not k.startswith("rng/")]) for f in files.values())
+for f in files.values():
+    assert f["rng/cpu"].dtype == torch.uint8
 print("pieces", n)
 )";
   const int rc = std::system((python + " " + script + " " + ckpt).c_str());
