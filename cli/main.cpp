@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   runners["launch"] = zeal::cli::add_launch_command(app);
   runners["test"] = zeal::cli::add_test_command(app);
   runners["offload"] = zeal::cli::add_offload_command(app);
+  runners["consolidate"] = zeal::cli::add_consolidate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -76,6 +76,21 @@ class PreparedScheduler {
   int index_;
 };
 
+// engine.save_model's options.
+struct SaveModelOptions {
+  std::string dtype;                       // fp32, bf16, fp16; empty: the compute dtype when the config
+                                           // asks for 16-bit weights on save
+                                           // (stage3_gather_16bit_weights_on_model_save), else fp32
+  int64_t max_shard_size = 5'000'000'000;  // bytes per file
+};
+
+// Reads Hugging Face-style safetensors weights (model.safetensors, or the files
+// model.safetensors.index.json names, as engine.save_model and `zeal consolidate` write them) into
+// `model`'s parameters and buffers by name, converting the dtype; a missing name or a shape that
+// differs is a zeal::Error naming it (nothing is changed then). For a model not yet prepared (after
+// prepare, use engine.load_state). Returns the number of tensors read.
+int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir);
+
 // engine.save_state's options.
 struct SaveStateOptions {
   bool include_frozen = true;  // frozen parameters' values too
@@ -204,6 +219,12 @@ class Engine {
   // truncated or corrupted file, or a parameter the checkpoint lacks, is an error naming it before
   // anything changes. Collective.
   void load_state(const std::string& dir = "");
+  // The model's weights as Hugging Face-style safetensors in `dir` (model.safetensors, or
+  // model-0000k-of-0000n.safetensors with model.safetensors.index.json beyond max_shard_size),
+  // written by rank 0 from a checkpoint the ranks save first (in `dir`/.state, removed after):
+  // stage 3's shards are never gathered on one rank, and rank 0's memory holds one parameter at a
+  // time. Collective. Returns the files written.
+  std::vector<std::string> save_model(const std::string& dir, const SaveModelOptions& options = {});
 
   // --- collectives on results ----------------------------------------------------------------
   // Every rank's tensor concatenated along dim 0 in rank order (0-d tensors become [world]);

@@ -30,6 +30,8 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/checkpoint/safetensors.h"
+#include "engine/checkpoint/manifest.h"
+#include "engine/checkpoint/consolidate.h"
 #include "engine/comm/communicator.h"
 #include "engine/engine_state.h"
 #include "engine/error.h"
@@ -44,7 +46,6 @@ using nlohmann::json;
 namespace {
 
 constexpr int kFormatVersion = 1;
-constexpr int64_t kCrcBlock = 1 << 20;
 
 std::string st_dtype(at::ScalarType t) {
   switch (t) {
@@ -105,50 +106,6 @@ std::vector<std::pair<std::string, at::Tensor>> frozen_params(torch::nn::Module&
     if (!item.value().requires_grad()) out.push_back({item.key(), item.value()});
   }
   return out;
-}
-
-// A piece of the checkpoint, as the manifest lists it.
-struct SavedPiece {
-  std::string file, dtype;
-  int64_t begin = 0, count = 0, offset = 0;  // elements of the parameter; byte offset in the file
-};
-
-struct SavedFile {
-  int64_t bytes = 0, crc_block = kCrcBlock;
-  uint32_t crc32c = 0;
-  std::vector<uint32_t> block_crcs;
-};
-
-// Reads bytes [offset, offset + n) of a checkpoint file into `out`, checking the CRC32C of every
-// block it touches; errors name the file and the block.
-void read_checked(const fs::path& path, const SavedFile& f, int64_t offset, int64_t n, char* out) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(fmt::format("checkpoint: {} is missing ({})", path.string(), std::strerror(errno)));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  const int64_t first = offset / f.crc_block, last = (offset + n - 1) / f.crc_block;
-  std::vector<char> block(static_cast<size_t>(f.crc_block));
-  for (int64_t b = first; b <= last; ++b) {
-    const int64_t at = b * f.crc_block, len = std::min(f.crc_block, f.bytes - at);
-    int64_t got = 0;
-    while (got < len) {
-      const ssize_t r = ::pread(fd, block.data() + got, static_cast<size_t>(len - got), at + got);
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) {
-        throw Error(fmt::format("checkpoint: {} is truncated: bytes {}..{} cannot be read", path.string(), at + got,
-                                at + len));
-      }
-      got += r;
-    }
-    if (static_cast<size_t>(b) >= f.block_crcs.size() || offload::crc32c(block.data(), static_cast<size_t>(len)) != f.block_crcs[b]) {
-      throw Error(fmt::format("checkpoint: {} is corrupted: bytes {}..{} do not match their CRC32C", path.string(), at,
-                              at + len));
-    }
-    const int64_t lo = std::max(at, offset), hi = std::min(at + len, offset + n);
-    std::memcpy(out + (lo - offset), block.data() + (lo - at), static_cast<size_t>(hi - lo));
-  }
 }
 
 // Every rank's string, to every rank (collective).
@@ -248,7 +205,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
     if (state_->io) io = state_->io->options();
     io.verify = false;
     ckpt::SafetensorsWriter w((tmp / file).string(), entries,
-                              {{"format", "zeal-checkpoint"}, {"rank", std::to_string(rank)}}, io, kCrcBlock);
+                              {{"format", "zeal-checkpoint"}, {"rank", std::to_string(rank)}}, io, ckpt::kCrcBlock);
     std::vector<float> chunk(1 << 20);
     for (size_t i = 0; i < items.size(); ++i) {
       if (i == items.size() / 2) maybe_die("write", rank);
@@ -376,7 +333,7 @@ void Engine::load_state(const std::string& dir_arg) {
   std::vector<Loaded> loaded;
   std::vector<std::pair<std::string, at::Tensor>> frozen_whole;  // stages 0-2
   json m;
-  std::map<std::string, SavedFile> files_;
+  std::map<std::string, ckpt::SavedFile> files_;
   std::string error;
   z.begin_state_access();
   try {
@@ -393,9 +350,9 @@ void Engine::load_state(const std::string& dir_arg) {
       throw Error(fmt::format("{} is not a zeal checkpoint of version {} or older", (dir / "manifest.json").string(),
                               kFormatVersion));
     }
-    std::map<std::string, SavedFile>& files = files_;
+    std::map<std::string, ckpt::SavedFile>& files = files_;
     for (auto it = m["files"].begin(); it != m["files"].end(); ++it) {
-      SavedFile f;
+      ckpt::SavedFile f;
       f.bytes = it.value()["bytes"].get<int64_t>();
       f.crc32c = it.value()["crc32c"].get<uint32_t>();
       f.crc_block = it.value()["crc_block"].get<int64_t>();
@@ -410,7 +367,7 @@ void Engine::load_state(const std::string& dir_arg) {
       files[it.key()] = std::move(f);
     }
     // Pieces by kind and name.
-    std::map<std::pair<std::string, std::string>, std::vector<SavedPiece>> by;
+    std::map<std::pair<std::string, std::string>, std::vector<ckpt::SavedPiece>> by;
     std::map<std::string, std::vector<int64_t>> shapes;
     for (const auto& p : m["pieces"]) {
       by[{p["kind"].get<std::string>(), p["name"].get<std::string>()}].push_back(
@@ -450,7 +407,7 @@ void Engine::load_state(const std::string& dir_arg) {
           const int64_t lo = std::max(p.begin, r.begin), hi = std::min(p.begin + p.count, r.begin + r.count);
           if (lo >= hi) continue;
           if (p.dtype != dtype) throw Error(fmt::format("the pieces of {} of '{}' differ in dtype", k, r.name));
-          read_checked(dir / p.file, files.at(p.file), p.offset + (lo - p.begin) * es, (hi - lo) * es,
+          ckpt::read_checked(dir / p.file, files.at(p.file), p.offset + (lo - p.begin) * es, (hi - lo) * es,
                        l.bytes.data() + (lo - r.begin) * es);
           covered += hi - lo;
         }
@@ -500,7 +457,7 @@ void Engine::load_state(const std::string& dir_arg) {
       if (it == header.tensors.end()) continue;
       if (key == "rng/cuda" && !device_.is_cuda()) continue;
       at::Tensor t = at::empty({it->second.bytes}, at::kByte);
-      read_checked(dir / file, files_.at(file), it->second.offset, it->second.bytes, static_cast<char*>(t.data_ptr()));
+      ckpt::read_checked(dir / file, files_.at(file), it->second.offset, it->second.bytes, static_cast<char*>(t.data_ptr()));
       at::Generator g = key == "rng/cpu" ? at::detail::getDefaultCPUGenerator()
                                          : at::globalContext().defaultGenerator(device_);  // a handle
       std::lock_guard<std::mutex> lock(g.mutex());
@@ -532,6 +489,92 @@ void Engine::load_state(const std::string& dir_arg) {
       if (s.torch) s.torch->step();
   }
   zero_grad();
+}
+
+std::vector<std::string> Engine::save_model(const std::string& dir, const SaveModelOptions& options) {
+  std::string dtype = options.dtype;
+  if (dtype.empty()) {
+    dtype = "fp32";
+    if (config_.zero.stage3_gather_16bit_weights_on_model_save && compute_dtype_ != at::kFloat) {
+      dtype = compute_dtype_ == at::kBFloat16 ? "bf16" : "fp16";
+    }
+  }
+  const fs::path state = fs::absolute(fs::path(dir) / ".state");
+  save_state(state.string());
+  std::string error;
+  std::vector<std::string> files;
+  if (comm().rank() == 0) {
+    try {
+      ckpt::ConsolidateOptions o;
+      o.dtype = dtype;
+      o.max_shard_size = options.max_shard_size;
+      files = ckpt::consolidate(state.string(), dir, o).files;
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    std::error_code ec;
+    fs::remove_all(state, ec);
+    fs::remove(fs::path(dir) / "latest", ec);  // save_state's pointer to .state
+  }
+  const auto errors = all_strings(*this, error);
+  if (!errors[0].empty()) throw Error(fmt::format("save_model: {}: {}", dir, errors[0]));
+  return files;
+}
+
+int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir) {
+  const fs::path d = dir;
+  // Which file holds each tensor.
+  std::map<std::string, std::string> where;
+  if (fs::exists(d / "model.safetensors.index.json")) {
+    json idx = json::parse(std::ifstream(d / "model.safetensors.index.json"));
+    for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it) where[it.key()] = it.value();
+  } else if (fs::exists(d / "model.safetensors")) {
+    for (const auto& [name, e] : ckpt::read_safetensors_header((d / "model.safetensors").string()).tensors) {
+      where[name] = "model.safetensors";
+    }
+  } else {
+    throw Error(fmt::format("load_checkpoint_in_model: {} has neither model.safetensors nor "
+                            "model.safetensors.index.json",
+                            d.string()));
+  }
+  std::map<std::string, ckpt::SafetensorsHeader> headers;
+  struct Target {
+    std::string name;
+    at::Tensor t;
+  };
+  std::vector<Target> targets;
+  std::unordered_set<const void*> seen;
+  for (const auto& item : model.named_parameters(true))
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) targets.push_back({item.key(), item.value()});
+  for (const auto& item : model.named_buffers(true)) {
+    if (where.count(item.key()) && seen.insert(item.value().unsafeGetTensorImpl()).second) {
+      targets.push_back({item.key(), item.value()});
+    }
+  }
+  // Every name and shape first: nothing changes when one is wrong.
+  for (const auto& t : targets) {
+    auto w = where.find(t.name);
+    if (w == where.end()) throw Error(fmt::format("load_checkpoint_in_model: {} has no tensor '{}'", d.string(), t.name));
+    if (!headers.count(w->second)) headers[w->second] = ckpt::read_safetensors_header((d / w->second).string());
+    const auto& e = headers[w->second].tensors.at(t.name);
+    if (e.shape != t.t.sizes().vec()) {
+      throw Error(fmt::format("load_checkpoint_in_model: '{}' is {} in {} and {} in the model", t.name,
+                              json(e.shape).dump(), w->second, json(t.t.sizes().vec()).dump()));
+    }
+  }
+  c10::NoGradGuard no_grad;
+  for (const auto& t : targets) {
+    const std::string& file = where.at(t.name);
+    const auto& e = headers[file].tensors.at(t.name);
+    at::Tensor buf = at::empty(e.shape, at::TensorOptions().dtype(at_dtype(e.dtype)));
+    std::ifstream f(d / file, std::ios::binary);
+    f.seekg(e.offset);
+    if (!f.read(static_cast<char*>(buf.data_ptr()), e.bytes)) {
+      throw Error(fmt::format("load_checkpoint_in_model: {} is truncated (tensor '{}')", (d / file).string(), t.name));
+    }
+    t.t.copy_(buf);
+  }
+  return static_cast<int64_t>(targets.size());
 }
 
 }  // namespace zeal

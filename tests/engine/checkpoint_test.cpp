@@ -15,12 +15,24 @@
 #include <string>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+
+#include "engine/checkpoint/safetensors.h"
 
 #include "tests/engine/engine_harness.h"
 
 namespace zeal_test {
 namespace {
+
+namespace ckpt = zeal::ckpt;
 
 namespace fs = std::filesystem;
 constexpr int kSteps = 6;
@@ -337,6 +349,116 @@ TEST(CheckpointNames, AutomaticNamesKeepTotalLimit) {
   std::getline(f, n);
   EXPECT_EQ(n, "checkpoint_2");
   fs::remove_all(root);
+}
+
+// The exported model: engine.save_model (fp32) and `zeal consolidate` (bf16 and fp16, in shards of
+// 8 KB with an index) read back by zeal::load_checkpoint_in_model into a fresh model equal the
+// parameters the ranks gathered exactly (16-bit: as LibTorch rounds them).
+TEST(CheckpointExport, ExportedWeightsEqualTheGatheredParameters) {
+  const std::string ckpt = temp_dir("ckpt_export"), model_dir = temp_dir("ckpt_export_model"),
+                    out = temp_dir("ckpt_export_out");
+  RunSpec s = frozen(spec(3, 2));
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(make_config(s), rt);
+        zeal_test::Setup u = make_setup(s);
+        auto [m, o] = engine.prepare(u.model, *u.opt);
+        at::Tensor tokens = make_tokens(8);
+        for (int step = 0; step < 2; ++step) {
+          engine.backward(lm_loss(m, tokens.narrow(0, 2 * engine.process_index(), 2)));
+          o.step();
+          o.zero_grad();
+        }
+        engine.save_state(ckpt);
+        const auto files = engine.save_model(model_dir);
+        if (engine.is_main_process() && files.size() != 1) throw zeal::Error("save_model wrote several files");
+        auto g = engine.gathered();
+        if (engine.is_main_process()) write_tensor(out + "/gathered", flat_params(*m));
+      },
+      s.world);
+  ASSERT_EQ(zeal::describe_failures(results), "");
+  const at::Tensor gathered = read_tensor(out + "/gathered");
+  auto fresh = [&] {
+    TinyGptOptions mo = model_options();
+    mo.layers = s.layers;
+    at::manual_seed(12345);  // other values than the trained ones
+    return TinyGpt(mo);
+  };
+  {
+    TinyGpt model = fresh();
+    EXPECT_GT(zeal::load_checkpoint_in_model(*model, model_dir), 0);
+    EXPECT_TRUE(at::equal(flat_params(*model), gathered)) << "save_model's fp32 weights";
+    EXPECT_FALSE(fs::exists(fs::path(model_dir) / ".state")) << "the checkpoint behind save_model was left";
+  }
+  for (const std::string dtype : {"bf16", "fp16"}) {
+    const std::string dst = out + "/" + dtype;
+    const std::string cmd = std::string(ZEAL_CLI) + " consolidate " + ckpt + " " + dst + " --dtype " + dtype +
+                            " --max_shard_size 8KB > " + out + "/log 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    ASSERT_TRUE(fs::exists(fs::path(dst) / "model.safetensors.index.json")) << "8 KB shards: several files";
+    TinyGpt model = fresh();
+    zeal::load_checkpoint_in_model(*model, dst);
+    const at::ScalarType t = dtype == "bf16" ? at::kBFloat16 : at::kHalf;
+    EXPECT_TRUE(at::equal(flat_params(*model), gathered.to(t).to(at::kFloat))) << dtype;
+  }
+  // A model the weights do not fit is named before anything changes.
+  {
+    TinyGptOptions mo = model_options();
+    mo.layers = s.layers + 1;
+    TinyGpt model(mo);
+    const at::Tensor before = flat_params(*model);
+    try {
+      zeal::load_checkpoint_in_model(*model, model_dir);
+      ADD_FAILURE() << "a missing tensor was accepted";
+    } catch (const zeal::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("has no tensor 'block" + std::to_string(s.layers)), std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(at::equal(before, flat_params(*model)));
+  }
+  fs::remove_all(ckpt);
+  fs::remove_all(model_dir);
+  fs::remove_all(out);
+}
+
+// `zeal consolidate` streams parameter by parameter: its peak resident set (the kernel's count for
+// the process, from wait4) stays below the model's size — here 8 layers of 4096 x 4096 (537 MB in
+// fp32), saved by one rank.
+TEST(CheckpointExport, ConsolidationHoldsLessThanTheModel) {
+  const std::string ckpt = temp_dir("ckpt_big"), dst = temp_dir("ckpt_big_out");
+  int64_t model_bytes = 0;
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        RunSpec s = spec(0, 1);
+        zeal::Engine engine(make_config(s), rt);
+        auto seq = torch::nn::Sequential();
+        for (int i = 0; i < 8; ++i) seq->push_back(torch::nn::Linear(torch::nn::LinearOptions(4096, 4096).bias(false)));
+        torch::optim::AdamW opt(seq->parameters(), torch::optim::AdamWOptions(1e-3));
+        auto [m, o] = engine.prepare(seq, opt);
+        engine.save_state(ckpt);
+      },
+      1);
+  ASSERT_EQ(zeal::describe_failures(results), "");
+  model_bytes = 8LL * 4096 * 4096 * 4;
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int null = ::open("/dev/null", O_WRONLY);
+    ::dup2(null, 1);
+    ::execl(ZEAL_CLI, ZEAL_CLI, "consolidate", ckpt.c_str(), dst.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  int status = 0;
+  struct rusage ru {};
+  ASSERT_EQ(::wait4(pid, &status, 0, &ru), pid);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  const double peak = static_cast<double>(ru.ru_maxrss) * 1024;
+  std::printf("metric consolidate peak_rss %.0f MB, model %.0f MB, ratio %.3f\n", peak / 1e6, model_bytes / 1e6,
+              peak / model_bytes);
+  EXPECT_LT(peak, 0.6 * model_bytes);
+  EXPECT_EQ(static_cast<int64_t>(fs::file_size(fs::path(dst) / "model.safetensors")),
+            model_bytes + static_cast<int64_t>(ckpt::read_safetensors_header((fs::path(dst) / "model.safetensors").string()).data_begin));
+  fs::remove_all(ckpt);
+  fs::remove_all(dst);
 }
 
 // Python's safetensors (the peers' environment, or any python3 that has it) opens every rank's

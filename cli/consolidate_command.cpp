@@ -1,0 +1,50 @@
+// `zeal consolidate CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--max_shard_size 5GB]`: a checkpoint
+// engine.save_state wrote (at any world size and stage) as Hugging Face-style safetensors, one
+// tensor per parameter, without training ranks; memory holds one parameter at a time.
+#include <cstdio>
+
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "engine/checkpoint/consolidate.h"
+#include "engine/memory.h"
+
+namespace zeal::cli {
+
+Runner add_consolidate_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("consolidate",
+                                 "Write a checkpoint's weights as Hugging Face-style safetensors (no ranks needed)");
+  struct Options {
+    std::string ckpt, out, dtype = "fp32", max_shard_size = "5GB";
+    bool no_frozen = false;
+  };
+  auto o = std::make_shared<Options>();
+  cmd->add_option("CKPT_DIR", o->ckpt, "The checkpoint (or a directory whose latest names it)")->required();
+  cmd->add_option("OUT_DIR", o->out, "Where the safetensors files go (created)")->required();
+  cmd->add_option("--dtype", o->dtype, "fp32, bf16 or fp16 (default fp32)");
+  cmd->add_option("--max_shard_size", o->max_shard_size, "Bytes per file, e.g. 5GB, 500MB (default 5GB)");
+  cmd->add_flag("--no_frozen", o->no_frozen, "Leave frozen parameters out");
+  return [o] {
+    try {
+      ckpt::ConsolidateOptions c;
+      c.dtype = o->dtype;
+      c.max_shard_size = ckpt::parse_size(o->max_shard_size);
+      c.include_frozen = !o->no_frozen;
+      int64_t done = 0;
+      const auto r = ckpt::consolidate(o->ckpt, o->out, c, [&](const std::string& name, int64_t bytes) {
+        done += bytes;
+        std::printf("  %s (%s, %s so far)\n", name.c_str(), format_bytes(static_cast<double>(bytes)).c_str(),
+                    format_bytes(static_cast<double>(done)).c_str());
+        std::fflush(stdout);
+      });
+      std::printf("zeal consolidate: %lld tensors, %s in %s\n", static_cast<long long>(r.tensors),
+                  format_bytes(static_cast<double>(r.bytes)).c_str(), o->out.c_str());
+      for (const auto& f : r.files) std::printf("  %s\n", f.c_str());
+      return 0;
+    } catch (const std::exception& e) {
+      return report_error(e);
+    }
+  };
+}
+
+}  // namespace zeal::cli

@@ -1,0 +1,230 @@
+#include "engine/checkpoint/consolidate.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/checkpoint/manifest.h"
+#include "engine/checkpoint/safetensors.h"
+#include "engine/error.h"
+
+namespace zeal::ckpt {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t to_bf16(float f) {
+  const uint32_t u = bits_of(f);
+  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);  // stays a NaN
+  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);  // round to nearest even
+}
+
+uint16_t to_f16(float f) {
+  const uint32_t u = bits_of(f);
+  const uint32_t sign = (u >> 16) & 0x8000;
+  const uint32_t abs = u & 0x7fffffff;
+  if (abs >= 0x7f800000) return static_cast<uint16_t>(sign | 0x7c00 | (abs > 0x7f800000 ? 0x200 : 0));  // inf, nan
+  if (abs >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00);  // rounds to beyond 65504: inf
+  if (abs < 0x38800000) {  // below 2^-14: a subnormal half (or zero), rounded to nearest even
+    const float a = float_of(abs);
+    const float scaled = a * 16777216.0f;  // / 2^-24, exact
+    float r = std::nearbyint(scaled);      // the default rounding mode: to nearest even
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(r));
+  }
+  // Normal: rebias the exponent (127 → 15) and round the 23-bit mantissa to 10 bits, nearest even.
+  const uint32_t mant = abs & 0x7fffff, exp = (abs >> 23) - 127 + 15;
+  uint32_t h = (exp << 10) | (mant >> 13);
+  const uint32_t rest = mant & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;  // a carry into the exponent is right
+  return static_cast<uint16_t>(sign | h);
+}
+
+float from_bf16(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+
+float from_f16(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  if (exp == 0) return (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(mant), -24);
+  if (exp == 31) return float_of(sign | 0x7f800000 | (mant << 13));
+  return float_of(sign | ((exp - 15 + 127) << 23) | (mant << 13));
+}
+
+bool is_float(const std::string& d) { return d == "F32" || d == "BF16" || d == "F16"; }
+
+struct Param {
+  std::string name, dtype;  // dtype of its pieces
+  std::vector<int64_t> shape;
+  int64_t numel = 1;
+  std::vector<SavedPiece> pieces;
+};
+
+}  // namespace
+
+int64_t parse_size(const std::string& text) {
+  size_t i = 0;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
+  if (i == 0) throw Error(fmt::format("'{}' is not a size (e.g. 5GB, 500MB, 2GiB)", text));
+  const double v = std::stod(text.substr(0, i));
+  std::string unit = text.substr(i);
+  for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  static const std::map<std::string, double> units{{"", 1},      {"B", 1},          {"KB", 1e3},       {"MB", 1e6},
+                                                   {"GB", 1e9},  {"TB", 1e12},      {"KIB", 1024.0},   {"MIB", 1048576.0},
+                                                   {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
+  auto it = units.find(unit);
+  if (it == units.end() || v <= 0) throw Error(fmt::format("'{}' is not a size (e.g. 5GB, 500MB, 2GiB)", text));
+  return static_cast<int64_t>(v * it->second);
+}
+
+ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& out_dir, const ConsolidateOptions& o,
+                              const std::function<void(const std::string&, int64_t)>& progress) {
+  const std::map<std::string, std::string> out_types{{"fp32", "F32"}, {"bf16", "BF16"}, {"fp16", "F16"}};
+  if (!out_types.count(o.dtype)) throw Error(fmt::format("--dtype: '{}' is not fp32, bf16 or fp16", o.dtype));
+  const std::string out_dtype = out_types.at(o.dtype);
+  if (o.max_shard_size <= 0) throw Error("max_shard_size must be positive");
+  const fs::path dir = resolve_checkpoint(ckpt_dir);
+  std::ifstream mf(dir / "manifest.json");
+  if (!mf) throw Error(fmt::format("{} holds no checkpoint (no manifest.json, no latest)", fs::path(ckpt_dir).string()));
+  json m;
+  try {
+    m = json::parse(mf);
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("{} is not valid JSON ({})", (dir / "manifest.json").string(), e.what()));
+  }
+  if (m.value("format", "") != "zeal-checkpoint") throw Error(fmt::format("{} is not a zeal checkpoint", dir.string()));
+  std::map<std::string, SavedFile> files;
+  for (auto it = m["files"].begin(); it != m["files"].end(); ++it) {
+    SavedFile f;
+    f.bytes = it.value()["bytes"].get<int64_t>();
+    f.crc32c = it.value()["crc32c"].get<uint32_t>();
+    f.crc_block = it.value()["crc_block"].get<int64_t>();
+    f.block_crcs = it.value()["block_crcs"].get<std::vector<uint32_t>>();
+    std::error_code ec;
+    const auto size = fs::file_size(dir / it.key(), ec);
+    if (ec) throw Error(fmt::format("{} is missing", (dir / it.key()).string()));
+    if (static_cast<int64_t>(size) != f.bytes) {
+      throw Error(fmt::format("{} is truncated or changed: {} bytes, the manifest says {}", (dir / it.key()).string(),
+                              size, f.bytes));
+    }
+    files[it.key()] = std::move(f);
+  }
+  // The parameters in the order they first appear, their values: the fp32 master of trainable ones,
+  // the saved values of frozen ones.
+  std::vector<Param> params;
+  std::map<std::string, size_t> index;
+  for (const auto& p : m["pieces"]) {
+    const std::string kind = p["kind"].get<std::string>();
+    if (kind != "master" && !(kind == "param" && o.include_frozen)) continue;
+    const std::string name = p["name"].get<std::string>();
+    auto [it, fresh] = index.try_emplace(name, params.size());
+    if (fresh) {
+      Param q;
+      q.name = name;
+      q.dtype = p["dtype"].get<std::string>();
+      q.shape = p["shape"].get<std::vector<int64_t>>();
+      for (int64_t d : q.shape) q.numel *= d;
+      params.push_back(std::move(q));
+    }
+    params[it->second].pieces.push_back({p["file"].get<std::string>(), p["dtype"].get<std::string>(),
+                                         p["begin"].get<int64_t>(), p["count"].get<int64_t>(),
+                                         p["offset"].get<int64_t>()});
+  }
+  // Files of at most max_shard_size bytes (a larger tensor alone).
+  auto out_type = [&](const Param& p) { return is_float(p.dtype) ? out_dtype : p.dtype; };
+  std::vector<std::vector<size_t>> shards;
+  int64_t in_shard = 0, total = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t b = params[i].numel * dtype_size(out_type(params[i]));
+    if (shards.empty() || (in_shard > 0 && in_shard + b > o.max_shard_size)) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(i);
+    in_shard += b;
+    total += b;
+  }
+  fs::create_directories(out_dir);
+  ConsolidateResult result;
+  json weight_map = json::object();
+  std::vector<char> src;
+  std::vector<char> dst;
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const std::string name = shards.size() == 1 ? "model.safetensors"
+                                                : fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
+    std::vector<TensorEntry> entries;
+    for (size_t i : shards[k]) {
+      const Param& p = params[i];
+      entries.push_back({p.name, out_type(p), p.shape, p.numel * dtype_size(out_type(p))});
+      weight_map[p.name] = name;
+    }
+    SafetensorsWriter w((fs::path(out_dir) / name).string(), entries, {{"format", "pt"}});
+    for (size_t i : shards[k]) {
+      const Param& p = params[i];
+      const int64_t es = dtype_size(p.dtype);
+      src.resize(static_cast<size_t>(p.numel * es));
+      int64_t covered = 0;
+      for (const SavedPiece& s : p.pieces) {
+        if (s.dtype != p.dtype) throw Error(fmt::format("the pieces of '{}' differ in dtype", p.name));
+        read_checked(dir / s.file, files.at(s.file), s.offset, s.count * es, src.data() + s.begin * es);
+        covered += s.count;
+      }
+      if (covered != p.numel) {
+        throw Error(fmt::format("the checkpoint covers {} of the {} elements of '{}'", covered, p.numel, p.name));
+      }
+      const std::string to = out_type(p);
+      if (to == p.dtype) {
+        w.append(src.data(), static_cast<int64_t>(src.size()));
+      } else {
+        dst.resize(static_cast<size_t>(p.numel * dtype_size(to)));
+        for (int64_t e = 0; e < p.numel; ++e) {
+          float f;
+          if (p.dtype == "F32") {
+            std::memcpy(&f, src.data() + 4 * e, 4);
+          } else {
+            uint16_t h;
+            std::memcpy(&h, src.data() + 2 * e, 2);
+            f = p.dtype == "BF16" ? from_bf16(h) : from_f16(h);
+          }
+          if (to == "F32") {
+            std::memcpy(dst.data() + 4 * e, &f, 4);
+          } else {
+            const uint16_t h = to == "BF16" ? to_bf16(f) : to_f16(f);
+            std::memcpy(dst.data() + 2 * e, &h, 2);
+          }
+        }
+        w.append(dst.data(), static_cast<int64_t>(dst.size()));
+      }
+      ++result.tensors;
+      if (progress) progress(p.name, p.numel * dtype_size(to));
+    }
+    w.finish();
+    result.files.push_back((fs::path(out_dir) / name).string());
+  }
+  if (shards.size() > 1) {
+    json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    std::ofstream((fs::path(out_dir) / "model.safetensors.index.json")) << idx.dump(2) << "\n";
+    result.files.push_back((fs::path(out_dir) / "model.safetensors.index.json").string());
+  }
+  result.bytes = total;
+  return result;
+}
+
+}  // namespace zeal::ckpt

@@ -1,0 +1,35 @@
+// The pieces of a checkpoint's format shared by the engine's load and `zeal consolidate`: the
+// manifest's entries and reading a file's bytes with their CRC32C checked. No LibTorch headers.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace zeal::ckpt {
+
+constexpr int64_t kCrcBlock = 1 << 20;  // bytes per CRC32C in the manifest
+
+// A piece of a parameter, as the manifest lists it.
+struct SavedPiece {
+  std::string file, dtype;
+  int64_t begin = 0, count = 0, offset = 0;  // elements of the parameter; byte offset in the file
+};
+
+// A file, as the manifest lists it.
+struct SavedFile {
+  int64_t bytes = 0, crc_block = kCrcBlock;
+  uint32_t crc32c = 0;
+  std::vector<uint32_t> block_crcs;
+};
+
+// Reads bytes [offset, offset + n) of a checkpoint file into `out`, checking the CRC32C of every
+// block it touches; zeal::Error names the file and the block when one is missing or differs.
+void read_checked(const std::filesystem::path& path, const SavedFile& f, int64_t offset, int64_t n, char* out);
+
+// The checkpoint directory `dir` means: itself when it holds manifest.json, else the one its
+// `latest` names.
+std::filesystem::path resolve_checkpoint(const std::filesystem::path& dir);
+
+}  // namespace zeal::ckpt
