@@ -249,6 +249,8 @@ data::Binding Engine::binding() {
   b.world_size = runtime_->world_size();
   b.device = device_;
   b.progress = state_->progress;
+  b.cursor = std::make_shared<data::Cursor>();
+  state_->cursors.push_back(b.cursor);
   return b;
 }
 

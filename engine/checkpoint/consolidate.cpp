@@ -166,6 +166,7 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
   json weight_map = json::object();
   std::vector<char> src;
   std::vector<char> dst;
+  CheckedReader reader(8 << 20);  // small buffers: the memory is the largest parameter's
   for (size_t k = 0; k < shards.size(); ++k) {
     const std::string name = shards.size() == 1 ? "model.safetensors"
                                                 : fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
@@ -175,7 +176,7 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
       entries.push_back({p.name, out_type(p), p.shape, p.numel * dtype_size(out_type(p))});
       weight_map[p.name] = name;
     }
-    SafetensorsWriter w((fs::path(out_dir) / name).string(), entries, {{"format", "pt"}});
+    SafetensorsWriter w((fs::path(out_dir) / name).string(), entries, {{"format", "pt"}}, {}, 1 << 20, 4 << 20);
     for (size_t i : shards[k]) {
       const Param& p = params[i];
       const int64_t es = dtype_size(p.dtype);
@@ -183,7 +184,7 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
       int64_t covered = 0;
       for (const SavedPiece& s : p.pieces) {
         if (s.dtype != p.dtype) throw Error(fmt::format("the pieces of '{}' differ in dtype", p.name));
-        read_checked(dir / s.file, files.at(s.file), s.offset, s.count * es, src.data() + s.begin * es);
+        reader.read(dir / s.file, files.at(s.file), s.offset, s.count * es, src.data() + s.begin * es);
         covered += s.count;
       }
       if (covered != p.numel) {

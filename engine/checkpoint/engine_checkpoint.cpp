@@ -204,6 +204,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
     offload::IoOptions io;
     if (state_->io) io = state_->io->options();
     io.verify = false;
+    io.queue_depth = std::max(io.queue_depth, 32);  // 32 MiB staged per write: keep the disk's queue full
     ckpt::SafetensorsWriter w((tmp / file).string(), entries,
                               {{"format", "zeal-checkpoint"}, {"rank", std::to_string(rank)}}, io, ckpt::kCrcBlock);
     std::vector<float> chunk(1 << 20);
@@ -259,6 +260,9 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
       json scheds = json::array();
       for (const auto& s : state_->schedulers) scheds.push_back({{"seen_steps", s.seen_steps}});
       m["schedulers"] = scheds;
+      json loaders = json::array();
+      for (const auto& c : state_->cursors) loaders.push_back({{"epoch", c->epoch}, {"samples", c->samples}});
+      m["loaders"] = loaders;
       if (state_->scaler) {
         const auto sc = state_->scaler->snapshot();
         m["loss_scaler"] = {{"scale", sc.scale}, {"left", sc.left}, {"iter", sc.iter},
@@ -375,6 +379,7 @@ void Engine::load_state(const std::string& dir_arg) {
            p["count"].get<int64_t>(), p["offset"].get<int64_t>()});
       shapes[p["name"].get<std::string>()] = p["shape"].get<std::vector<int64_t>>();
     }
+    ckpt::CheckedReader reader;
     ranges = z.state_ranges(/*to_write=*/false);
     if (z.stage() < 3) {
       frozen_whole = frozen_params(*state_->module);
@@ -407,8 +412,8 @@ void Engine::load_state(const std::string& dir_arg) {
           const int64_t lo = std::max(p.begin, r.begin), hi = std::min(p.begin + p.count, r.begin + r.count);
           if (lo >= hi) continue;
           if (p.dtype != dtype) throw Error(fmt::format("the pieces of {} of '{}' differ in dtype", k, r.name));
-          ckpt::read_checked(dir / p.file, files.at(p.file), p.offset + (lo - p.begin) * es, (hi - lo) * es,
-                       l.bytes.data() + (lo - r.begin) * es);
+          reader.read(dir / p.file, files.at(p.file), p.offset + (lo - p.begin) * es, (hi - lo) * es,
+                      l.bytes.data() + (lo - r.begin) * es);
           covered += hi - lo;
         }
         if (covered != r.count) {
@@ -478,6 +483,14 @@ void Engine::load_state(const std::string& dir_arg) {
     snap.last_overflow = s["last_overflow"].get<int64_t>();
     snap.skipped = s["skipped"].get<int64_t>();
     state_->scaler->restore(snap);
+  }
+  // Prepared loaders, in prepare order, continue after the last batch the saved run yielded.
+  if (m.contains("loaders")) {
+    const auto& ls = m["loaders"];
+    for (size_t i = 0; i < state_->cursors.size() && i < ls.size(); ++i) {
+      state_->cursors[i]->resume_epoch = ls[i]["epoch"].get<int64_t>();
+      state_->cursors[i]->resume_samples = ls[i]["samples"].get<int64_t>();
+    }
   }
   // LibTorch schedulers are stepped up to the saved count (their own counters are not reachable);
   // zeal's follow the optimizer step count by themselves.

@@ -17,9 +17,6 @@
 
 namespace zeal::ckpt {
 
-namespace {
-constexpr int64_t kStaging = 8 << 20;  // bytes staged per write (a multiple of 4 KiB)
-}
 
 int64_t dtype_size(const std::string& d) {
   static const std::map<std::string, int64_t> sizes{{"F64", 8}, {"F32", 4}, {"BF16", 2}, {"F16", 2}, {"I64", 8},
@@ -31,7 +28,7 @@ int64_t dtype_size(const std::string& d) {
 
 SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<TensorEntry> entries,
                                      const std::map<std::string, std::string>& metadata, offload::IoOptions io,
-                                     int64_t crc_block)
+                                     int64_t crc_block, int64_t staging)
     : path_(std::move(path)), entries_(std::move(entries)) {
   nlohmann::ordered_json h;
   if (!metadata.empty()) h["__metadata__"] = metadata;
@@ -56,9 +53,17 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<TensorEntry> 
   fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0644);
   if (fd_ < 0 && errno == EINVAL) fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) throw Error(fmt::format("checkpoint: cannot create {}: {}", path_, std::strerror(errno)));
+  // The whole file's blocks at once (as fio lays its files out): the writes then allocate nothing,
+  // and a disk that cannot hold the file says so now.
+  if (const int rc = ::posix_fallocate(fd_, 0, total_); rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
+    throw Error(fmt::format("checkpoint: cannot make room for {} ({} bytes): {}", path_, total_, std::strerror(rc)));
+  }
   io_ = offload::make_io_engine(io);
-  buf_ = std::make_unique<offload::AlignedBuffer>(kStaging);
+  staging = std::max<int64_t>(offload::kIoAlign, staging / offload::kIoAlign * offload::kIoAlign);
+  buf_ = std::make_unique<offload::AlignedBuffer>(staging);
+  spare_ = std::make_unique<offload::AlignedBuffer>(staging);
   io_->register_buffer(buf_->data(), buf_->size());
+  io_->register_buffer(spare_->data(), spare_->size());
   digest_.crc_block = crc_block;
   uint64_t len = header.size();
   char le[8];
@@ -68,6 +73,7 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<TensorEntry> 
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
+  if (writing_.valid()) writing_.wait();  // its buffer is ours
   if (fd_ >= 0) ::close(fd_);
 }
 
@@ -117,7 +123,11 @@ void SafetensorsWriter::flush(bool last) {
     n = (fill_ + offload::kIoAlign - 1) / offload::kIoAlign * offload::kIoAlign;
     std::memset(buf_->data() + fill_, 0, static_cast<size_t>(n - fill_));  // trimmed off after
   }
-  io_->write(fd_, path_, buf_->data(), n, written_);
+  if (writing_.valid()) writing_.get();  // the spare is free again (rethrows its I/O error)
+  writing_ = std::async(std::launch::async, [this, data = buf_->data(), n, at = written_] {
+    io_->write(fd_, path_, data, n, at);
+  });
+  std::swap(buf_, spare_);
   written_ += n;
   fill_ = 0;
 }
@@ -127,6 +137,7 @@ FileDigest SafetensorsWriter::finish() {
     throw Error(fmt::format("checkpoint: {}: {} of its {} bytes were given", path_, appended_, total_));
   }
   flush(true);
+  if (writing_.valid()) writing_.get();
   if (block_fill_ > 0) digest_.block_crcs.push_back(block_crc_);
   block_fill_ = 0;
   if (::ftruncate(fd_, total_) != 0 || ::fsync(fd_) != 0) {

@@ -2,12 +2,13 @@
 // naming each tensor's dtype, shape and byte range, then the bytes), written as a stream and read
 // range by range. The writer knows every tensor's size up front, writes the header, then takes the
 // tensors' bytes in header order through the offload I/O engine (O_DIRECT where the file system
-// has it, through a 4 KiB-aligned staging buffer), computing a CRC32C of the whole file and of
+// has it, through two 4 KiB-aligned staging buffers: one fills while the other is written), computing a CRC32C of the whole file and of
 // every `crc_block` bytes as it goes; the file is fsynced when finished. No LibTorch headers.
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,7 +40,7 @@ class SafetensorsWriter {
   // Creates `path` (truncating it) for `entries` in this order, with `metadata` as the header's
   // "__metadata__" (strings only, as the format wants).
   SafetensorsWriter(std::string path, std::vector<TensorEntry> entries, const std::map<std::string, std::string>& metadata,
-                    offload::IoOptions io = {}, int64_t crc_block = 1 << 20);
+                    offload::IoOptions io = {}, int64_t crc_block = 1 << 20, int64_t staging = 32 << 20);
   ~SafetensorsWriter();
   SafetensorsWriter(const SafetensorsWriter&) = delete;
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
@@ -61,7 +62,8 @@ class SafetensorsWriter {
   std::vector<TensorEntry> entries_;
   int fd_ = -1;
   std::unique_ptr<offload::IoEngine> io_;
-  std::unique_ptr<offload::AlignedBuffer> buf_;
+  std::unique_ptr<offload::AlignedBuffer> buf_, spare_;  // filled / being written
+  std::future<void> writing_;                             // the spare buffer's write
   int64_t fill_ = 0;        // bytes in the staging buffer
   int64_t written_ = 0;     // bytes of the file already written (a multiple of 4 KiB)
   int64_t total_ = 0;       // the file's size when complete

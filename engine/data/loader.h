@@ -50,12 +50,22 @@ struct Progress {
   int64_t global_batch_size = 0;     // all samples of the global batch, padding included
 };
 
+// Where a prepared loader stands, kept by the engine for its checkpoints (one per prepared
+// loader, in prepare order): the epoch being iterated (or the next one) and the global samples of
+// it already yielded, in whole global batches. engine.load_state sets resume_*: the loader's next
+// begin() starts that epoch at that sample (at another world size, the global batch there).
+struct Cursor {
+  int64_t epoch = 0, samples = 0;
+  int64_t resume_epoch = -1, resume_samples = 0;
+};
+
 // What engine.prepare() gives a loader.
 struct Binding {
   int rank = 0;
   int world_size = 1;
   at::Device device = at::kCPU;
   std::shared_ptr<Progress> progress;
+  std::shared_ptr<Cursor> cursor;
 };
 
 // Default collate: stacks the examples' data (and targets) along a new first dimension.
@@ -164,12 +174,20 @@ class DataLoader {
         p->real_in_global_batch = st.plan->real_samples_in_global_batch(b_);
         p->global_batch_size = st.plan->per_rank_batch() * st.binding.world_size;
       }
+      if (auto& c = st.binding.cursor) {
+        c->epoch = st.running_epoch;
+        c->samples = (b_ + 1) * st.plan->per_rank_batch() * st.binding.world_size;
+      }
     }
     void finish() const {
       if (s_->finished_epoch == s_->running_epoch) return;
       s_->finished_epoch = s_->running_epoch;
       s_->next_epoch = s_->running_epoch + 1;
       if (auto& p = s_->binding.progress) *p = data::Progress{};
+      if (auto& c = s_->binding.cursor) {
+        c->epoch = s_->next_epoch;
+        c->samples = 0;
+      }
     }
     static Batch place(Batch b, at::Device d) {
       if constexpr (requires { data::to_device(std::move(b), d); }) {
@@ -183,12 +201,23 @@ class DataLoader {
     std::optional<Batch> current_;
   };
 
-  // Starts an epoch: the order is fixed by the seed and the epoch.
+  // Starts an epoch: the order is fixed by the seed and the epoch. After engine.load_state, the
+  // saved epoch from the batch after the last one the saved run yielded.
   iterator begin() {
+    int64_t first = 0;
+    if (auto& c = s_->binding.cursor; c && c->resume_epoch >= 0) {
+      s_->next_epoch = c->resume_epoch;
+      first = std::min<int64_t>(c->resume_samples / (s_->plan->per_rank_batch() * s_->binding.world_size), size());
+      c->resume_epoch = -1;
+    }
     s_->running_epoch = s_->next_epoch;
     s_->plan->set_epoch(s_->running_epoch);
     if (auto& p = s_->binding.progress) *p = data::Progress{};
-    return iterator(s_, 0);
+    if (auto& c = s_->binding.cursor) {
+      c->epoch = s_->running_epoch;
+      c->samples = first * s_->plan->per_rank_batch() * s_->binding.world_size;
+    }
+    return iterator(s_, first);
   }
   iterator end() { return iterator(nullptr, size()); }
 

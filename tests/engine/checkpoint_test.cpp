@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/data/datasets/base.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 
@@ -192,6 +193,54 @@ TEST(CheckpointRng, EachRankContinuesItsOwnRandomStream) {
     EXPECT_TRUE(at::equal(a, read_tensor(out + "/after_load_" + std::to_string(r)))) << "rank " << r;
     if (r > 0) EXPECT_FALSE(at::equal(a, read_tensor(out + "/after_save_0"))) << "the ranks drew the same stream";
   }
+  fs::remove_all(ckpt);
+  fs::remove_all(out);
+}
+
+struct Ids : torch::data::datasets::Dataset<Ids> {
+  explicit Ids(int64_t n) : n(n) {}
+  torch::data::Example<> get(size_t i) override {
+    return {at::full({1}, static_cast<float>(i)), at::full({}, static_cast<int64_t>(i))};
+  }
+  std::optional<size_t> size() const override { return n; }
+  int64_t n;
+};
+
+// A prepared loader continues with the batch after the last one the saved run took: 24 samples,
+// shuffled, 4 per global batch (6 per epoch). One run takes two epochs; another takes 3 batches
+// and saves; a third loads and takes the rest of epoch 0 and epoch 1 — on 2 ranks, and on 1 rank
+// with the same global batch: the same samples in every step.
+TEST(CheckpointLoader, AResumedLoaderContinuesWithTheNextBatch) {
+  const std::string ckpt = temp_dir("ckpt_loader"), out = temp_dir("ckpt_loader_out");
+  auto run = [&](int world, int stop_after, bool load, const std::string& tag) {
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          RunSpec s = spec(1, world);
+          zeal::Engine engine(make_config(s), rt);
+          zeal_test::Setup u = make_setup(s);
+          zeal::DataLoader loader(Ids(24), {.batch_size = 4 / world, .shuffle = true, .seed = 5});
+          auto [m, o, l] = engine.prepare(u.model, *u.opt, loader);
+          if (load) engine.load_state(ckpt);
+          std::vector<at::Tensor> seen;
+          for (int epoch = 0; epoch < 2 && static_cast<int>(seen.size()) != stop_after; ++epoch) {
+            for (auto& b : l) {
+              seen.push_back(std::get<0>(engine.gather(b.target).sort()));
+              if (static_cast<int>(seen.size()) == stop_after) break;
+            }
+          }
+          if (stop_after > 0) engine.save_state(ckpt);
+          if (engine.is_main_process()) write_tensor(out + "/" + tag, at::stack(seen));
+        },
+        world);
+    EXPECT_EQ(zeal::describe_failures(results), "") << tag;
+    return read_tensor(out + "/" + tag);
+  };
+  const at::Tensor whole = run(2, -1, false, "whole");
+  ASSERT_EQ(whole.numel(), 12 * 4);  // 12 global batches of 4 (written flat)
+  (void)run(2, 3, false, "first");
+  const at::Tensor rest2 = run(2, -1, true, "rest2"), rest1 = run(1, -1, true, "rest1");
+  EXPECT_TRUE(at::equal(rest2, whole.narrow(0, 3 * 4, 9 * 4))) << rest2 << whole;
+  EXPECT_TRUE(at::equal(rest1, whole.narrow(0, 3 * 4, 9 * 4))) << rest1 << whole;
   fs::remove_all(ckpt);
   fs::remove_all(out);
 }

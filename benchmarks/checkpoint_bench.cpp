@@ -1,0 +1,223 @@
+// checkpoint_bench: engine.save_state and engine.load_state of a model's whole training state
+// (fp32 parameters with AdamW: master = parameters, m and v; 12 bytes per parameter) on 2 ranks
+// (stage 3), against fio writing and reading as many bytes in the same directory (2 jobs, one per
+// rank, 1 MiB requests, queue depth 16, io_uring, O_DIRECT, fsync at the end as a checkpoint must),
+// in interleaved rounds; the page cache
+// is dropped before every read (where this process may). Also the peak resident set of `zeal
+// consolidate` on that checkpoint against the model's size.
+//
+//   build/bin/checkpoint_bench [--dir D] [--params N] [--rounds R] [--json PATH]
+//
+// D defaults to build/; N to 5e8 parameters (6 GB of state: 1e9 needs about 30 GB of memory for
+// the two ranks' model, master and state on one machine).
+#include <sys/resource.h>
+#include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+
+#include "benchmarks/rounds.h"
+#include "engine/engine.h"
+#include "engine/runtime/runtime.h"
+#include "engine/runtime/spawn.h"
+#include "engine/zero/sharded.h"
+
+namespace {
+
+std::string run(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) throw std::runtime_error("cannot run: " + cmd);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  if (pclose(p) != 0) throw std::runtime_error(fmt::format("'{}' failed: {}", cmd, out.substr(0, 400)));
+  return out;
+}
+
+// fio's aggregate bandwidth (bytes/s) of `jobs` jobs moving `bytes` in all under `dir`.
+double fio(const std::string& dir, bool write, int64_t bytes, int jobs) {
+  const std::string out = run(fmt::format(
+      "fio --name=ckpt --directory={} --rw={} --bs=1M --size={} --numjobs={} --iodepth=16 --ioengine=io_uring "
+      "--direct=1 --end_fsync={} --group_reporting --output-format=json 2>&1",
+      dir, write ? "write" : "read", bytes / jobs, jobs, write ? 1 : 0));
+  const auto j = nlohmann::json::parse(out.substr(out.find('{')));
+  return j["jobs"][0][write ? "write" : "read"]["bw_bytes"].get<double>();
+}
+
+void drop_caches() { std::ofstream("/proc/sys/vm/drop_caches") << "3\n"; }
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// Blocks of one d x d weight, each a stage-3 unit.
+struct Net : torch::nn::Module {
+  std::vector<zeal::Sharded<torch::nn::Linear>> blocks;
+  Net(int64_t d, int n) {
+    for (int b = 0; b < n; ++b) {
+      blocks.push_back(register_module("block" + std::to_string(b),
+                                       zeal::Sharded<torch::nn::Linear>(torch::nn::LinearOptions(d, d).bias(false))));
+    }
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dir = ZEAL_BUILD_DIR, json_path;
+  int64_t params = 500'000'000;
+  int rounds = 3;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--dir") dir = next();
+    else if (a == "--params") params = static_cast<int64_t>(std::stod(next()));
+    else if (a == "--rounds") rounds = std::stoi(next());
+    else if (a == "--json") json_path = next();
+    else {
+      std::fprintf(stderr, "usage: checkpoint_bench [--dir D] [--params N] [--rounds R] [--json PATH]\n");
+      return 2;
+    }
+  }
+  constexpr int kWorld = 2, kBlocks = 16;
+  const int64_t d = static_cast<int64_t>(std::sqrt(static_cast<double>(params) / kBlocks));
+  const int64_t n = d * d * kBlocks, state_bytes = 12 * n;
+  struct statvfs sv {};
+  statvfs(dir.c_str(), &sv);
+  const double free_gb = static_cast<double>(sv.f_bavail) * sv.f_frsize / 1e9;
+  std::printf("checkpoint_bench: %.2f G parameters (%d blocks of %lld x %lld), %.1f GB of state, %d ranks, %d rounds, "
+              "in %s (%.1f GB free)\n",
+              n / 1e9, kBlocks, static_cast<long long>(d), static_cast<long long>(d), state_bytes / 1e9, kWorld,
+              rounds, dir.c_str(), free_gb);
+  if (free_gb * 1e9 < 3.2 * state_bytes) {
+    std::fprintf(stderr, "checkpoint_bench: %s needs %.1f GB free\n", dir.c_str(), 3.2 * state_bytes / 1e9);
+    return 1;
+  }
+  std::fflush(stdout);
+  const std::string ckpt = dir + "/checkpoint_bench.ckpt", fio_dir = dir + "/checkpoint_bench.fio";
+  std::filesystem::create_directories(fio_dir);
+  const std::string result = dir + "/checkpoint_bench.result.json";
+  zeal_bench::Environment env;
+  env.begin();
+  auto failures = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Config c = zeal::Config::defaults(false);
+        c.zero.stage = 3;
+        c.zero.stage3_param_persistence_threshold = {0, false};
+        zeal::Engine engine(c, rt);
+        auto model = std::make_shared<Net>(d, kBlocks);
+        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
+        auto prepared = engine.prepare(model, opt);
+        (void)prepared;
+        const bool main = engine.is_main_process();
+        // Each contender: seconds, measured the same on every rank (a collective ends together).
+        auto timed = [&](const std::function<void()>& f) {
+          engine.wait_for_everyone();
+          const double t0 = now();
+          f();
+          engine.wait_for_everyone();
+          return now() - t0;
+        };
+        std::vector<zeal_bench::Contender> cs{
+            {"zeal save", [&] { return state_bytes / timed([&] { engine.save_state(ckpt); }); }},
+            {"fio write", [&] { return main ? (timed([&] {}), fio(fio_dir, true, state_bytes, kWorld)) : (timed([] {}), 1.0); }},
+            {"zeal load",
+             [&] {
+               if (main) drop_caches();
+               return state_bytes / timed([&] { engine.load_state(ckpt); });
+             }},
+            {"fio read",
+             [&] {
+               if (main) drop_caches();
+               return main ? (timed([&] {}), fio(fio_dir, false, state_bytes, kWorld)) : (timed([] {}), 1.0);
+             }},
+        };
+        // fio runs on rank 0 only: the others wait for it at the next collective.
+        for (auto& cdt : cs) {
+          auto inner = cdt.measure;
+          cdt.measure = [&engine, inner] {
+            const double v = inner();
+            engine.wait_for_everyone();
+            return v;
+          };
+        }
+        const auto s = zeal_bench::interleave(cs, rounds, 1, [&](int r) {
+          if (main) std::printf("  round %d of %d done\n", r, rounds), std::fflush(stdout);
+        });
+        if (main) {
+          nlohmann::json out;
+          out["zeal_save_bytes_per_s"] = s[0].values;
+          out["fio_write_bytes_per_s"] = s[1].values;
+          out["zeal_load_bytes_per_s"] = s[2].values;
+          out["fio_read_bytes_per_s"] = s[3].values;
+          zeal_bench::put_ratio(out, "save_ratio_vs_fio", zeal_bench::ratio(s[0], s[1]));
+          zeal_bench::put_ratio(out, "load_ratio_vs_fio", zeal_bench::ratio(s[2], s[3]));
+          std::ofstream(result) << out.dump();
+        }
+      },
+      kWorld);
+  if (!zeal::describe_failures(failures).empty()) {
+    std::fprintf(stderr, "checkpoint_bench: %s\n", zeal::describe_failures(failures).c_str());
+    return 1;
+  }
+  nlohmann::json out = nlohmann::json::parse(std::ifstream(result));
+  std::filesystem::remove(result);
+  // Consolidation: `zeal consolidate` in its own process, its peak resident set from wait4.
+  const std::string model_dir = dir + "/checkpoint_bench.model";
+  const double t0 = now();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    freopen("/dev/null", "w", stdout);
+    execl(ZEAL_CLI, ZEAL_CLI, "consolidate", ckpt.c_str(), model_dir.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  int status = 0;
+  struct rusage ru {};
+  wait4(pid, &status, 0, &ru);
+  const double consolidate_s = now() - t0, peak = ru.ru_maxrss * 1024.0, model_bytes = 4.0 * n;
+  env.end();
+  const auto sv_ = [&](const char* k) { return zeal_bench::Series{out[k].get<std::vector<double>>()}; };
+  const auto ps = zeal_bench::ratio(sv_("zeal_save_bytes_per_s"), sv_("fio_write_bytes_per_s"));
+  const auto pl = zeal_bench::ratio(sv_("zeal_load_bytes_per_s"), sv_("fio_read_bytes_per_s"));
+  std::printf("| save | zeal %.2f GB/s (%.2f–%.2f) | fio write %.2f GB/s (%.2f–%.2f) | ratio %s (goal >= 0.9) |\n",
+              sv_("zeal_save_bytes_per_s").median() / 1e9, sv_("zeal_save_bytes_per_s").min() / 1e9,
+              sv_("zeal_save_bytes_per_s").max() / 1e9, sv_("fio_write_bytes_per_s").median() / 1e9,
+              sv_("fio_write_bytes_per_s").min() / 1e9, sv_("fio_write_bytes_per_s").max() / 1e9, ps.text().c_str());
+  std::printf("| load | zeal %.2f GB/s (%.2f–%.2f) | fio read %.2f GB/s (%.2f–%.2f) | ratio %s (goal >= 0.9) |\n",
+              sv_("zeal_load_bytes_per_s").median() / 1e9, sv_("zeal_load_bytes_per_s").min() / 1e9,
+              sv_("zeal_load_bytes_per_s").max() / 1e9, sv_("fio_read_bytes_per_s").median() / 1e9,
+              sv_("fio_read_bytes_per_s").min() / 1e9, sv_("fio_read_bytes_per_s").max() / 1e9, pl.text().c_str());
+  std::printf("| consolidate (fp32) | %.1f s, peak resident set %.0f MB vs the model's %.0f MB: %.3f | exit %d |\n",
+              consolidate_s, peak / 1e6, model_bytes / 1e6, peak / model_bytes,
+              WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  out["parameters"] = n;
+  out["state_bytes"] = state_bytes;
+  out["world_size"] = kWorld;
+  out["consolidate_s"] = consolidate_s;
+  out["consolidate_peak_rss"] = peak;
+  out["consolidate_peak_ratio_vs_model"] = peak / model_bytes;
+  out["environment"] = env.json();
+  env.print();
+  std::filesystem::remove_all(ckpt);
+  std::filesystem::remove_all(fio_dir);
+  std::filesystem::remove_all(model_dir);
+  std::filesystem::remove(dir + "/latest");
+  if (!json_path.empty()) {
+    std::ofstream(json_path) << out.dump(2) << "\n";
+    std::printf("wrote %s\n", json_path.c_str());
+  }
+  return 0;
+}
