@@ -35,16 +35,8 @@
 
 namespace {
 
-std::string run(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) throw std::runtime_error("cannot run: " + cmd);
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  if (pclose(p) != 0) throw std::runtime_error(fmt::format("'{}' failed: {}", cmd, out.substr(0, 400)));
-  return out;
-}
+using zeal_bench::run_command;
+constexpr auto& run = run_command;
 
 // fio's aggregate bandwidth (bytes/s) of `jobs` jobs moving `bytes` in all under `dir`.
 double fio(const std::string& dir, bool write, int64_t bytes, int jobs) {

@@ -51,17 +51,8 @@ using zeal::offload::IoOptions;
 
 constexpr int64_t kPartition = 64 << 20;  // bytes per write or read call: one partition
 
-std::string run(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) throw std::runtime_error("cannot run: " + cmd);
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int rc = pclose(p);
-  if (rc != 0) throw std::runtime_error(fmt::format("'{}' failed ({}): {}", cmd, rc, out.substr(0, 400)));
-  return out;
-}
+using zeal_bench::run_command;
+constexpr auto& run = run_command;
 
 // fio's bandwidth in bytes per second for one job.
 double fio_bandwidth(const std::string& file, bool write, int64_t bs, int qd, int64_t bytes) {

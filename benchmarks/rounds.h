@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -32,6 +33,20 @@
 #include "kernels/cpu/adam.h"
 
 namespace zeal_bench {
+
+// Runs a shell command (fio, …) and returns its standard output; throws std::runtime_error with
+// the start of the output when it fails.
+inline std::string run_command(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) throw std::runtime_error("cannot run: " + cmd);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int rc = pclose(p);
+  if (rc != 0) throw std::runtime_error("'" + cmd + "' failed (" + std::to_string(rc) + "): " + out.substr(0, 400));
+  return out;
+}
 
 // --- statistics --------------------------------------------------------------------------------
 
