@@ -76,6 +76,15 @@ class PreparedScheduler {
   int index_;
 };
 
+// An object of the program saved and restored with the engine's checkpoints
+// (engine.register_for_checkpointing): its state as bytes, and back.
+class Checkpointable {
+ public:
+  virtual ~Checkpointable() = default;
+  virtual std::string state_dict() const = 0;
+  virtual void load_state_dict(const std::string& state) = 0;
+};
+
 // engine.save_model's options.
 struct SaveModelOptions {
   std::string dtype;                       // fp32, bf16, fp16; empty: the compute dtype when the config
@@ -219,6 +228,10 @@ class Engine {
   // truncated or corrupted file, or a parameter the checkpoint lacks, is an error naming it before
   // anything changes. Collective.
   void load_state(const std::string& dir = "");
+  // Objects of the program saved by every save_state (rank 0's, as custom_<k>.bin inside the
+  // checkpoint, so they appear and disappear with it) and restored by load_state on every rank, in
+  // the order they were registered. Accelerate's register_for_checkpointing.
+  void register_for_checkpointing(std::shared_ptr<Checkpointable> object);
   // The model's weights as Hugging Face-style safetensors in `dir` (model.safetensors, or
   // model-0000k-of-0000n.safetensors with model.safetensors.index.json beyond max_shard_size),
   // written by rank 0 from a checkpoint the ranks save first (in `dir`/.state, removed after):

@@ -278,6 +278,10 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
       }
       m["files"] = files;
       m["pieces"] = pieces;
+      m["custom_objects"] = state_->custom.size();
+      for (size_t k = 0; k < state_->custom.size(); ++k) {
+        write_file_synced(tmp / fmt::format("custom_{}.bin", k), state_->custom[k]->state_dict());
+      }
       write_file_synced(tmp / "manifest.json", m.dump(1));
       fsync_path(tmp);
       // The new checkpoint takes the name only now, complete; an old one there goes after.
@@ -336,6 +340,7 @@ void Engine::load_state(const std::string& dir_arg) {
   std::vector<zero::StateRange> ranges;
   std::vector<Loaded> loaded;
   std::vector<std::pair<std::string, at::Tensor>> frozen_whole;  // stages 0-2
+  std::vector<std::string> custom;                                 // register_for_checkpointing
   json m;
   std::map<std::string, ckpt::SavedFile> files_;
   std::string error;
@@ -378,6 +383,16 @@ void Engine::load_state(const std::string& dir_arg) {
           {p["file"].get<std::string>(), p["dtype"].get<std::string>(), p["begin"].get<int64_t>(),
            p["count"].get<int64_t>(), p["offset"].get<int64_t>()});
       shapes[p["name"].get<std::string>()] = p["shape"].get<std::vector<int64_t>>();
+    }
+    const size_t saved_custom = m.value("custom_objects", size_t{0});
+    if (saved_custom < state_->custom.size()) {
+      throw Error(fmt::format("the checkpoint holds {} registered objects, this run registered {}", saved_custom,
+                              state_->custom.size()));
+    }
+    for (size_t k = 0; k < state_->custom.size(); ++k) {
+      std::ifstream f(dir / fmt::format("custom_{}.bin", k), std::ios::binary);
+      if (!f) throw Error(fmt::format("{} is missing", (dir / fmt::format("custom_{}.bin", k)).string()));
+      custom.emplace_back((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
     }
     ckpt::CheckedReader reader;
     ranges = z.state_ranges(/*to_write=*/false);
@@ -484,6 +499,7 @@ void Engine::load_state(const std::string& dir_arg) {
     snap.skipped = s["skipped"].get<int64_t>();
     state_->scaler->restore(snap);
   }
+  for (size_t k = 0; k < custom.size(); ++k) state_->custom[k]->load_state_dict(custom[k]);
   // Prepared loaders, in prepare order, continue after the last batch the saved run yielded.
   if (m.contains("loaders")) {
     const auto& ls = m["loaders"];
@@ -588,6 +604,11 @@ int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& di
     t.t.copy_(buf);
   }
   return static_cast<int64_t>(targets.size());
+}
+
+void Engine::register_for_checkpointing(std::shared_ptr<Checkpointable> object) {
+  if (!object) throw Error("register_for_checkpointing: a null object");
+  state_->custom.push_back(std::move(object));
 }
 
 }  // namespace zeal

@@ -21,7 +21,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -151,21 +150,20 @@ int main(int argc, char** argv) {
       if (!jsonl) throw zeal::Error(fmt::format("--log_jsonl: cannot write {}", log_jsonl));
     }
     const int64_t per_step = micro_batch * world * accum;
-    int64_t first_step = 0;
+    // The loop's own step count (fp16 steps skipped on overflow are steps here) goes into every
+    // checkpoint with the engine's state.
+    struct LoopStep : zeal::Checkpointable {
+      int64_t step = 0;
+      std::string state_dict() const override { return std::to_string(step); }
+      void load_state_dict(const std::string& s) override { step = std::stoll(s); }
+    };
+    auto loop = std::make_shared<LoopStep>();
+    engine.register_for_checkpointing(loop);
     if (!resume.empty()) {
       engine.load_state(resume);
-      // The loop's own step count (fp16 steps skipped on overflow are steps here), saved beside.
-      std::filesystem::path dir = resume;
-      if (!std::filesystem::exists(dir / "train_gpt.step") && std::filesystem::exists(dir / "latest")) {
-        std::ifstream latest(dir / "latest");
-        std::string name;
-        std::getline(latest, name);
-        dir /= name;
-      }
-      std::ifstream f(dir / "train_gpt.step");
-      if (!(f >> first_step)) throw zeal::Error(fmt::format("--resume: {} has no train_gpt.step", dir.string()));
-      engine.print(fmt::format("zeal: resumed from {} after step {}", dir.string(), first_step));
+      engine.print(fmt::format("zeal: resumed from {} after step {}", resume, loop->step));
     }
+    const int64_t first_step = loop->step;
     for (int64_t step = first_step; step < steps; ++step) {
       const auto t0 = std::chrono::steady_clock::now();
       // This step's windows for every rank and micro-step, from the seed: rank r, micro-step k
@@ -213,9 +211,8 @@ int main(int argc, char** argv) {
                                      : ""));
       }
       if (!save_dir.empty() && ((save_every > 0 && (step + 1) % save_every == 0) || step + 1 == steps)) {
-        const std::string saved = engine.save_state(fmt::format("{}/step_{}", save_dir, step + 1));
-        if (engine.is_main_process()) std::ofstream(saved + "/train_gpt.step") << step + 1 << "\n";
-        engine.print("zeal: saved ", saved);
+        loop->step = step + 1;
+        engine.print("zeal: saved ", engine.save_state(fmt::format("{}/step_{}", save_dir, step + 1)));
       }
     }
   } catch (const zeal::Error& e) {

@@ -163,9 +163,16 @@ INSTANTIATE_TEST_SUITE_P(
                                  frozen(spec(2, 2, "no", 1, 3))}),
     [](const ::testing::TestParamInfo<ResumeCase>& i) { return i.param.label; });
 
+struct Counter : zeal::Checkpointable {
+  int64_t value = 0;
+  std::string state_dict() const override { return std::to_string(value); }
+  void load_state_dict(const std::string& s) override { value = std::stoll(s); }
+};
+
 // Every rank's random number generator continues where it was at the save, when the world size
-// is the same: what each rank draws right after its save is what it draws right after the load.
-TEST(CheckpointRng, EachRankContinuesItsOwnRandomStream) {
+// is the same: what each rank draws right after its save is what it draws right after the load;
+// an object registered for checkpointing gets back rank 0's saved state on every rank.
+TEST(CheckpointRng, EachRankContinuesItsOwnRandomStreamAndRegisteredObjectsComeBack) {
   const std::string ckpt = temp_dir("ckpt_rng"), out = temp_dir("ckpt_rng_out");
   RunSpec s = spec(2, 2);
   for (const bool load : {false, true}) {
@@ -175,10 +182,14 @@ TEST(CheckpointRng, EachRankContinuesItsOwnRandomStream) {
           zeal_test::Setup u = make_setup(s);
           auto [m, o] = engine.prepare(u.model, *u.opt);
           const std::string me = std::to_string(engine.process_index());
+          auto counter = std::make_shared<Counter>();
+          engine.register_for_checkpointing(counter);
           if (load) {
             at::manual_seed(999);  // another stream, which the load must replace
             engine.load_state(ckpt);
+            if (counter->value != 4242) throw zeal::Error("the registered object was not restored");
           } else {
+            counter->value = engine.is_main_process() ? 4242 : 7;  // rank 0's is saved
             at::manual_seed(100 + engine.process_index());
             (void)at::rand({7});
             engine.save_state(ckpt);
