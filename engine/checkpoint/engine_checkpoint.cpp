@@ -165,8 +165,9 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
   json mine = {{"rank", rank}};
   const std::string file = fmt::format("rank{}.safetensors", rank);
   zero::Sharding& z = *state_->zero;
-  z.begin_state_access();
   try {
+    // Inside: a shard that cannot be read back from disk is an error every rank hears of below.
+    z.begin_state_access();
     if (!error.empty()) throw Error(error);
     c10::NoGradGuard no_grad;
     std::vector<zero::StateRange> ranges = z.state_ranges(/*to_write=*/true);
@@ -344,8 +345,8 @@ void Engine::load_state(const std::string& dir_arg) {
   json m;
   std::map<std::string, ckpt::SavedFile> files_;
   std::string error;
-  z.begin_state_access();
   try {
+    z.begin_state_access();
     if (!fs::exists(dir / "manifest.json")) {
       throw Error(fmt::format("{} holds no checkpoint (no manifest.json, no latest)", dir.string()));
     }
