@@ -1,10 +1,14 @@
 // checkpoint_bench: engine.save_state and engine.load_state of a model's whole training state
 // (fp32 parameters with AdamW: master = parameters, m and v; 12 bytes per parameter) on 2 ranks
 // (stage 3), against fio writing and reading as many bytes in the same directory (2 jobs, one per
-// rank, 1 MiB requests, queue depth 16, io_uring, O_DIRECT, fsync at the end as a checkpoint must),
-// in interleaved rounds; the page cache
-// is dropped before every read (where this process may). Also the peak resident set of `zeal
-// consolidate` on that checkpoint against the model's size.
+// rank, 1 MiB requests, queue depth 16, io_uring, O_DIRECT, fsync at the end as a checkpoint must;
+// fio writes new files each round, as a checkpoint does, and reads the checkpoint's own files), in
+// interleaved rounds; the page cache is
+// dropped before every read (where this process may). Also how long an asynchronous save blocks
+// the training loop (save_state with .async: the copy into staging) against the whole save, and
+// the peak resident set of `zeal consolidate` on that checkpoint against the model's size. A
+// save's background work (writes, removing the checkpoint it replaced) ends before the next
+// contender starts.
 //
 //   build/bin/checkpoint_bench [--dir D] [--params N] [--rounds R] [--json PATH]
 //
@@ -46,6 +50,16 @@ double fio(const std::string& dir, bool write, int64_t bytes, int jobs) {
       dir, write ? "write" : "read", bytes / jobs, jobs, write ? 1 : 0));
   const auto j = nlohmann::json::parse(out.substr(out.find('{')));
   return j["jobs"][0][write ? "write" : "read"]["bw_bytes"].get<double>();
+}
+
+// fio's aggregate read bandwidth (bytes/s) over `files`, one job each, whole files.
+double fio_read_files(const std::vector<std::string>& files) {
+  std::string cmd =
+      "fio --rw=read --bs=1M --iodepth=16 --ioengine=io_uring --direct=1 --group_reporting --output-format=json";
+  for (size_t i = 0; i < files.size(); ++i) cmd += fmt::format(" --name=r{} --filename={}", i, files[i]);
+  const std::string out = run(cmd + " 2>&1");
+  const auto j = nlohmann::json::parse(out.substr(out.find('{')));
+  return j["jobs"][0]["read"]["bw_bytes"].get<double>();
 }
 
 void drop_caches() { std::ofstream("/proc/sys/vm/drop_caches") << "3\n"; }
@@ -115,6 +129,13 @@ int main(int argc, char** argv) {
         auto prepared = engine.prepare(model, opt);
         (void)prepared;
         const bool main = engine.is_main_process();
+        // The background work of a save (an async save's writes, removing the checkpoint it
+        // replaced) is over before the next contender starts.
+        auto settle = [&] {
+          engine.wait_for_save();
+          if (main) ::sync();
+          engine.wait_for_everyone();
+        };
         // Each contender: seconds, measured the same on every rank (a collective ends together).
         auto timed = [&](const std::function<void()>& f) {
           engine.wait_for_everyone();
@@ -124,8 +145,27 @@ int main(int argc, char** argv) {
           return now() - t0;
         };
         std::vector<zeal_bench::Contender> cs{
-            {"zeal save", [&] { return state_bytes / timed([&] { engine.save_state(ckpt); }); }},
-            {"fio write", [&] { return main ? (timed([&] {}), fio(fio_dir, true, state_bytes, kWorld)) : (timed([] {}), 1.0); }},
+            {"zeal save",
+             [&] {
+               const double v = state_bytes / timed([&] { engine.save_state(ckpt); });
+               settle();
+               return v;
+             }},
+            {"fio write",
+             [&] {
+               if (main) {  // new files, as a checkpoint writes
+                 std::filesystem::remove_all(fio_dir);
+                 std::filesystem::create_directories(fio_dir);
+                 ::sync();
+               }
+               return main ? (timed([&] {}), fio(fio_dir, true, state_bytes, kWorld)) : (timed([] {}), 1.0);
+             }},
+            {"zeal async save (blocking)",
+             [&] {
+               const double v = state_bytes / timed([&] { engine.save_state(ckpt, {.async = true}); });
+               settle();
+               return v;
+             }},
             {"zeal load",
              [&] {
                if (main) drop_caches();
@@ -134,7 +174,9 @@ int main(int argc, char** argv) {
             {"fio read",
              [&] {
                if (main) drop_caches();
-               return main ? (timed([&] {}), fio(fio_dir, false, state_bytes, kWorld)) : (timed([] {}), 1.0);
+               // the checkpoint's own files: the same bytes in the same places on the disk
+               return main ? (timed([&] {}), fio_read_files({ckpt + "/rank0.safetensors", ckpt + "/rank1.safetensors"}))
+                           : (timed([] {}), 1.0);
              }},
         };
         // fio runs on rank 0 only: the others wait for it at the next collective.
@@ -153,10 +195,12 @@ int main(int argc, char** argv) {
           nlohmann::json out;
           out["zeal_save_bytes_per_s"] = s[0].values;
           out["fio_write_bytes_per_s"] = s[1].values;
-          out["zeal_load_bytes_per_s"] = s[2].values;
-          out["fio_read_bytes_per_s"] = s[3].values;
+          out["zeal_async_save_blocking_bytes_per_s"] = s[2].values;
+          out["zeal_load_bytes_per_s"] = s[3].values;
+          out["fio_read_bytes_per_s"] = s[4].values;
           zeal_bench::put_ratio(out, "save_ratio_vs_fio", zeal_bench::ratio(s[0], s[1]));
-          zeal_bench::put_ratio(out, "load_ratio_vs_fio", zeal_bench::ratio(s[2], s[3]));
+          zeal_bench::put_ratio(out, "load_ratio_vs_fio", zeal_bench::ratio(s[3], s[4]));
+          zeal_bench::put_ratio(out, "async_save_blocking_vs_save", zeal_bench::ratio(s[0], s[2]));
           std::ofstream(result) << out.dump();
         }
       },
@@ -192,6 +236,12 @@ int main(int argc, char** argv) {
               sv_("zeal_load_bytes_per_s").median() / 1e9, sv_("zeal_load_bytes_per_s").min() / 1e9,
               sv_("zeal_load_bytes_per_s").max() / 1e9, sv_("fio_read_bytes_per_s").median() / 1e9,
               sv_("fio_read_bytes_per_s").min() / 1e9, sv_("fio_read_bytes_per_s").max() / 1e9, pl.text().c_str());
+  {
+    const auto b = sv_("zeal_async_save_blocking_bytes_per_s"), full = sv_("zeal_save_bytes_per_s");
+    std::printf("| async save | blocks %.2f s (%.2f–%.2f) | whole save %.2f s | blocking/whole %s |\n",
+                state_bytes / b.median(), state_bytes / b.max(), state_bytes / b.min(), state_bytes / full.median(),
+                zeal_bench::ratio(full, b).text().c_str());
+  }
   std::printf("| consolidate (fp32) | %.1f s, peak resident set %.0f MB vs the model's %.0f MB: %.3f | exit %d |\n",
               consolidate_s, peak / 1e6, model_bytes / 1e6, peak / model_bytes,
               WIFEXITED(status) ? WEXITSTATUS(status) : -1);

@@ -117,7 +117,10 @@ Engine::Engine(Config config, Runtime& runtime)
   init();
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  finish_background_save();
+  if (state_ && state_->module) remember_prepared(state_->module.get(), nullptr);
+}
 
 void Engine::init() {
   const auto& z = config_.zero;
@@ -202,6 +205,7 @@ void Engine::prepare_module(std::shared_ptr<torch::nn::Module> module) {
   if (!module) throw Error("engine.prepare: the model is empty");
   if (state_->module && state_->module != module) throw Error("engine.prepare: one engine trains one model");
   if (state_->zero) throw Error("engine.prepare: the model was already prepared with its optimizer");
+  remember_prepared(module.get(), this);
   const auto& shards = state_->init_shards;
   if (shards && !shards->empty()) {
     // Built partitioned: the slices reach the device when stage 3 takes them.

@@ -96,14 +96,24 @@ struct SaveModelOptions {
 // Reads Hugging Face-style safetensors weights (model.safetensors, or the files
 // model.safetensors.index.json names, as engine.save_model and `zeal consolidate` write them) into
 // `model`'s parameters and buffers by name, converting the dtype; a missing name or a shape that
-// differs is a zeal::Error naming it (nothing is changed then). For a model not yet prepared (after
-// prepare, use engine.load_state). Returns the number of tensors read.
+// differs is a zeal::Error naming it (nothing is changed then). For a model an engine prepared
+// with its optimizer, every rank calls it (collective) and reads only the elements it holds (its
+// shards under stage 3), and the fp32 master weights take the values too; the optimizer's state
+// stays. Returns the number of tensors read.
 int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir);
 
 // engine.save_state's options.
 struct SaveStateOptions {
   bool include_frozen = true;  // frozen parameters' values too
   int total_limit = 0;         // automatic names: keep at most this many checkpoints (0: all)
+  // Return once the state is copied into host memory; a background thread writes the files and
+  // completes the checkpoint (manifest, rename, `latest`). The next save_state, load_state,
+  // wait_for_save or the engine's end waits for it. Training may go on meanwhile: the checkpoint
+  // holds the state as it was at the call.
+  bool async = false;
+  // async: host memory per rank for that copy. A state larger than this makes the call wait until
+  // the writes have made room for the rest. 0: half the memory available, shared by the ranks.
+  int64_t staging_bytes = 0;
 };
 
 template <class T>
@@ -228,6 +238,9 @@ class Engine {
   // truncated or corrupted file, or a parameter the checkpoint lacks, is an error naming it before
   // anything changes. Collective.
   void load_state(const std::string& dir = "");
+  // Waits until an asynchronous save_state is complete on every rank; its failure on any rank is a
+  // zeal::Error here (naming the ranks and why). Collective; returns at once when none is pending.
+  void wait_for_save();
   // Objects of the program saved by every save_state (rank 0's, as custom_<k>.bin inside the
   // checkpoint, so they appear and disappear with it) and restored by load_state on every rank, in
   // the order they were registered. Accelerate's register_for_checkpointing.
@@ -376,6 +389,9 @@ class Engine {
   int add_scheduler(torch::optim::LRScheduler* torch_scheduler, std::shared_ptr<optim::LrSchedule> schedule);
   data::Binding binding();
   void finish_prepare();
+  void finish_background_save() noexcept;
+  friend int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir);
+  bool load_weights_sharded(const std::string& dir);
   void build_zero();
   void begin_micro_step();
   void scheduler_step(int index);

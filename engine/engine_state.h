@@ -2,6 +2,7 @@
 // code). Internal: not installed for programs.
 #pragma once
 
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -21,6 +22,9 @@
 #include "offload/swap_dir.h"
 
 namespace zeal {
+
+// load_checkpoint_in_model's way from a module to the engine that prepared it (null: forget it).
+void remember_prepared(const torch::nn::Module* module, Engine* engine);
 
 struct Engine::State {
   std::shared_ptr<torch::nn::Module> module;
@@ -55,6 +59,11 @@ struct Engine::State {
   std::shared_ptr<offload::IoEngine> io;           // either on nvme
   std::map<std::string, std::shared_ptr<offload::SwapDir>> swap_dirs;  // by nvme_path
   std::string run_id;
+  // An asynchronous save_state's background work (its error on this rank, or empty), and the
+  // removal of checkpoints that were replaced or fell beyond total_limit.
+  std::future<std::string> saving;
+  std::string saving_dir;
+  std::future<void> cleanup;
 };
 
 }  // namespace zeal

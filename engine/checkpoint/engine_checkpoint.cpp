@@ -13,6 +13,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <thread>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -122,7 +127,281 @@ std::vector<std::string> all_strings(Engine& e, const std::string& text) {
   return out;
 }
 
+// What one rank writes into its file, in order.
+struct FilePlan {
+  struct Item {
+    const zero::StateRange* range;
+    std::string kind;
+  };
+  std::vector<zero::StateRange> ranges;
+  std::vector<Item> items;
+  std::vector<ckpt::TensorEntry> entries;
+  std::vector<std::pair<std::string, at::Tensor>> rng;
+};
+
+// Where a rank's bytes go, in order: the writer itself, or the staging of an asynchronous save.
+class Sink {
+ public:
+  virtual ~Sink() = default;
+  virtual void append(const void* data, int64_t n) = 0;
+};
+
+class WriterSink : public Sink {
+ public:
+  explicit WriterSink(ckpt::SafetensorsWriter& w) : w_(w) {}
+  void append(const void* data, int64_t n) override { w_.append(data, n); }
+
+ private:
+  ckpt::SafetensorsWriter& w_;
+};
+
+// An asynchronous save's snapshot: the training thread copies the state into at most `budget`
+// bytes of host memory, in chunks; the background thread writes each chunk and gives it back. A
+// state larger than the budget makes the copy wait for the writes.
+class Staging : public Sink {
+ public:
+  struct Chunk {
+    std::vector<char> bytes;
+    int64_t fill = 0;
+  };
+  explicit Staging(int64_t budget)
+      : chunk_(std::clamp<int64_t>(budget / 4, 64 << 10, 32 << 20)), max_(std::max<int64_t>(2, budget / chunk_)) {}
+
+  // The training thread's side.
+  void append(const void* data, int64_t n) override {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      if (!cur_) cur_ = take();
+      const int64_t k = std::min(n, chunk_ - cur_->fill);
+      std::memcpy(cur_->bytes.data() + cur_->fill, p, static_cast<size_t>(k));
+      cur_->fill += k;
+      p += k;
+      n -= k;
+      if (cur_->fill == chunk_) publish();
+    }
+  }
+  void close() {
+    if (cur_) publish();
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    cv_.notify_all();
+  }
+  // Either side: stop (the snapshot failed on some rank, or the writes did).
+  void cancel(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_.empty()) error_ = why;
+    cv_.notify_all();
+  }
+  bool cancelled() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !error_.empty();
+  }
+  // The background thread's side: the next chunk to write (null when all are written).
+  Chunk* next() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !ready_.empty() || closed_ || !error_.empty(); });
+    if (!error_.empty()) throw Error(error_);
+    if (ready_.empty()) return nullptr;
+    Chunk* c = ready_.front();
+    ready_.pop_front();
+    return c;
+  }
+  void done(Chunk* c) {
+    std::lock_guard<std::mutex> lock(mu_);
+    c->fill = 0;
+    free_.push_back(c);
+    cv_.notify_all();
+  }
+
+ private:
+  Chunk* take() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !free_.empty() || static_cast<int64_t>(all_.size()) < max_ || !error_.empty(); });
+    if (!error_.empty()) throw Error(error_);
+    if (!free_.empty()) {
+      Chunk* c = free_.back();
+      free_.pop_back();
+      return c;
+    }
+    all_.push_back(std::make_unique<Chunk>());
+    all_.back()->bytes.resize(static_cast<size_t>(chunk_));
+    return all_.back().get();
+  }
+  void publish() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_.push_back(cur_);
+    cur_ = nullptr;
+    cv_.notify_all();
+  }
+
+  const int64_t chunk_, max_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<Chunk>> all_;
+  std::vector<Chunk*> free_;
+  std::deque<Chunk*> ready_;
+  Chunk* cur_ = nullptr;
+  bool closed_ = false;
+  std::string error_;
+};
+
+// The rank's file's bytes, in the plan's order.
+void emit_file(const FilePlan& plan, Sink& sink, int rank) {
+  std::vector<float> chunk(1 << 20);
+  for (size_t i = 0; i < plan.items.size(); ++i) {
+    if (i == plan.items.size() / 2) maybe_die("write", rank);
+    const auto& r = *plan.items[i].range;
+    if (!r.step) {
+      const at::Tensor v = r.values.cpu().contiguous();
+      sink.append(v.data_ptr(), static_cast<int64_t>(v.nbytes()));
+      continue;
+    }
+    for (int64_t at = 0; at < r.count; at += static_cast<int64_t>(chunk.size())) {
+      const int64_t n = std::min<int64_t>(static_cast<int64_t>(chunk.size()), r.count - at);
+      r.step->read_state(plan.items[i].kind, r.index + at, n, chunk.data());
+      sink.append(chunk.data(), n * 4);
+    }
+  }
+  for (const auto& [key, t] : plan.rng) {
+    const at::Tensor b = t.contiguous();
+    sink.append(b.data_ptr(), b.numel());
+  }
+}
+
+// The manifest's pieces of one rank's file (the writer knows their offsets from the start).
+json file_pieces(const FilePlan& plan, const ckpt::SafetensorsWriter& w) {
+  json pieces = json::array();
+  for (size_t i = 0; i < plan.items.size(); ++i) {
+    const auto& r = *plan.items[i].range;
+    pieces.push_back({{"kind", plan.items[i].kind}, {"name", r.name}, {"shape", r.shape}, {"begin", r.begin},
+                      {"count", r.count}, {"dtype", w.entries()[i].dtype}, {"offset", w.entries()[i].offset},
+                      {"trainable", r.step != nullptr}});
+  }
+  return pieces;
+}
+
+json file_record(const std::string& name, const ckpt::FileDigest& d) {
+  return {{"name", name}, {"bytes", d.bytes}, {"crc32c", d.crc32c}, {"crc_block", d.crc_block}, {"block_crcs", d.block_crcs}};
+}
+
+bool is_checkpoint_name(const std::string& n) {
+  return n.rfind("checkpoint_", 0) == 0 && n.size() > 11 && n.find_first_not_of("0123456789", 11) == std::string::npos;
+}
+
+// Removes directories renamed out of the way (a hidden name first, so a crash while removing
+// leaves nothing that looks like a checkpoint).
+void remove_all_quietly(const std::vector<fs::path>& doomed) {
+  for (const auto& p : doomed) {
+    std::error_code ec;
+    fs::remove_all(p, ec);
+  }
+}
+
+// Rank 0, once every rank's file is complete: manifest.json (from `meta` and every rank's report),
+// the registered objects, then the new checkpoint takes its name and `latest` points at it. The
+// directories that must go (an older checkpoint of the same name, those beyond total_limit) are
+// renamed to hidden names and returned for removal off the critical path.
+std::vector<fs::path> complete_checkpoint(const fs::path& dir, const fs::path& tmp, const std::vector<json>& reports,
+                                          json m, const std::vector<std::string>& custom, bool automatic,
+                                          int total_limit) {
+  const fs::path parent = dir.parent_path();
+  json files = json::object(), pieces = json::array();
+  for (const auto& rep : reports) {
+    files[rep["file"]["name"].get<std::string>()] = rep["file"];
+    for (auto p : rep["pieces"]) {
+      p["file"] = rep["file"]["name"];
+      pieces.push_back(std::move(p));
+    }
+  }
+  m["files"] = files;
+  m["pieces"] = pieces;
+  m["custom_objects"] = custom.size();
+  for (size_t k = 0; k < custom.size(); ++k) write_file_synced(tmp / fmt::format("custom_{}.bin", k), custom[k]);
+  write_file_synced(tmp / "manifest.json", m.dump(1));
+  fsync_path(tmp);
+  // The new checkpoint takes the name only now, complete; an old one there goes after.
+  std::vector<fs::path> doomed;
+  const fs::path old = parent / ("." + dir.filename().string() + ".old");
+  fs::remove_all(old);
+  if (fs::exists(dir)) {
+    fs::rename(dir, old);
+    doomed.push_back(old);
+  }
+  fs::rename(tmp, dir);
+  fsync_path(parent);
+  maybe_die("latest", 0);
+  write_file_synced(parent / ".latest.partial", dir.filename().string() + "\n");
+  fs::rename(parent / ".latest.partial", parent / "latest");
+  fsync_path(parent);
+  if (automatic && total_limit > 0) {
+    std::vector<std::pair<int64_t, fs::path>> found;
+    for (const auto& e : fs::directory_iterator(parent)) {
+      const std::string n = e.path().filename().string();
+      if (is_checkpoint_name(n)) found.push_back({std::stoll(n.substr(11)), e.path()});
+    }
+    std::sort(found.begin(), found.end());
+    for (size_t i = 0; i + total_limit < found.size(); ++i) {
+      const fs::path hidden = parent / ("." + found[i].second.filename().string() + ".old");
+      fs::remove_all(hidden);
+      fs::rename(found[i].second, hidden);
+      doomed.push_back(hidden);
+    }
+    fsync_path(parent);
+  }
+  return doomed;
+}
+
+// Host memory an asynchronous save may stage by default: half of what is available, shared by
+// the ranks.
+int64_t default_staging_budget(int world) {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  while (f >> key >> kb) {
+    if (key == "MemAvailable:") return kb * 1024 / 2 / std::max(1, world);
+    f.ignore(1 << 10, '\n');
+  }
+  return int64_t{1} << 30;
+}
+
+// Writes `text` to `p` atomically (a temporary name, fsync, rename).
+void publish_file(const fs::path& p, const std::string& text) {
+  const fs::path t = p.string() + ".tmp";
+  write_file_synced(t, text);
+  fs::rename(t, p);
+}
+
 }  // namespace
+
+void Engine::wait_for_save() {
+  std::string mine;
+  if (state_->saving.valid()) mine = state_->saving.get();
+  if (state_->cleanup.valid()) state_->cleanup.wait();
+  const auto errors = all_strings(*this, mine);
+  std::string failed;
+  for (size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) failed += fmt::format("\n  rank {}: {}", r, errors[r]);
+  if (!failed.empty()) {
+    throw Error(fmt::format("save_state (asynchronous): {} was not saved (the previous checkpoint, if any, is "
+                            "unchanged):{}",
+                            state_->saving_dir, failed));
+  }
+}
+
+void Engine::finish_background_save() noexcept {
+  if (!state_) return;
+  try {
+    if (state_->saving.valid()) {
+      const std::string e = state_->saving.get();
+      if (!e.empty()) {
+        std::fprintf(stderr, "zeal: the asynchronous save_state of %s failed on this rank: %s\n",
+                     state_->saving_dir.c_str(), e.c_str());
+      }
+    }
+    if (state_->cleanup.valid()) state_->cleanup.wait();
+  } catch (...) {
+  }
+}
 
 std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& options) {
   if (!state_->zero) throw Error("save_state: prepare a model and its optimizer first");
@@ -130,6 +409,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
     throw Error("save_state: called in the middle of an accumulation (gradients of micro-steps not yet stepped "
                 "would be lost); save after opt.step()");
   }
+  wait_for_save();  // an earlier asynchronous save completes first
   Communicator& c = comm();
   const int rank = c.rank(), world = c.world_size();
   // The directory: the one given, or the next automatic name (every rank's view agrees: max).
@@ -140,9 +420,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
     std::error_code ec;
     for (const auto& e : fs::directory_iterator("checkpoints", ec)) {
       const std::string n = e.path().filename().string();
-      if (n.rfind("checkpoint_", 0) == 0 && n.find_first_not_of("0123456789", 11) == std::string::npos && n.size() > 11) {
-        next = std::max<int64_t>(next, std::stoll(n.substr(11)) + 1);
-      }
+      if (is_checkpoint_name(n)) next = std::max<int64_t>(next, std::stoll(n.substr(11)) + 1);
     }
     next = gather(at::tensor({next}, at::kLong)).max().item<int64_t>();
     dir = fs::path("checkpoints") / ("checkpoint_" + std::to_string(next));
@@ -161,31 +439,52 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
     }
   }
   wait_for_everyone();
-  // Every rank writes its file.
+  // What the manifest says besides the pieces, and the registered objects, as they are now.
+  json meta;
+  meta["format"] = "zeal-checkpoint";
+  meta["version"] = kFormatVersion;
+  meta["world_size"] = world;
+  meta["zero_stage"] = state_->zero->stage();
+  meta["compute_dtype"] = c10::toString(compute_dtype_);
+  meta["optimizer_steps"] = optimizer_steps_;
+  json scheds = json::array();
+  for (const auto& s : state_->schedulers) scheds.push_back({{"seen_steps", s.seen_steps}});
+  meta["schedulers"] = scheds;
+  json loaders = json::array();
+  for (const auto& cur : state_->cursors) loaders.push_back({{"epoch", cur->epoch}, {"samples", cur->samples}});
+  meta["loaders"] = loaders;
+  if (state_->scaler) {
+    const auto sc = state_->scaler->snapshot();
+    meta["loss_scaler"] = {{"scale", sc.scale}, {"left", sc.left}, {"iter", sc.iter},
+                           {"last_overflow", sc.last_overflow}, {"skipped", sc.skipped}};
+  }
+  std::vector<std::string> custom;
+  if (rank == 0)
+    for (const auto& obj : state_->custom) custom.push_back(obj->state_dict());
+
+  // Every rank writes its file (synchronously), or snapshots it into staging for a background
+  // thread that writes it (asynchronously).
   json mine = {{"rank", rank}};
   const std::string file = fmt::format("rank{}.safetensors", rank);
   zero::Sharding& z = *state_->zero;
+  std::shared_ptr<Staging> staging;
+  std::future<std::string> background;
   try {
     // Inside: a shard that cannot be read back from disk is an error every rank hears of below.
     z.begin_state_access();
     if (!error.empty()) throw Error(error);
     c10::NoGradGuard no_grad;
-    std::vector<zero::StateRange> ranges = z.state_ranges(/*to_write=*/true);
+    FilePlan plan;
+    plan.ranges = z.state_ranges(/*to_write=*/true);
     if (z.stage() < 3 && rank == 0 && options.include_frozen) {
       for (auto& [name, p] : frozen_params(*state_->module)) {
-        ranges.push_back({name, p.sizes().vec(), 0, p.numel(), p.detach().reshape({-1})});
+        plan.ranges.push_back({name, p.sizes().vec(), 0, p.numel(), p.detach().reshape({-1})});
       }
     }
     if (z.stage() == 3 && !options.include_frozen) {
-      std::erase_if(ranges, [](const zero::StateRange& r) { return r.step == nullptr; });
+      std::erase_if(plan.ranges, [](const zero::StateRange& r) { return r.step == nullptr; });
     }
-    struct Item {
-      const zero::StateRange* range;
-      std::string kind;
-    };
-    std::vector<Item> items;
-    std::vector<ckpt::TensorEntry> entries;
-    for (const auto& r : ranges) {
+    for (const auto& r : plan.ranges) {
       std::vector<std::string> kinds{"param"};
       if (r.step) {
         kinds = {"master"};
@@ -193,55 +492,113 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
       }
       for (const auto& k : kinds) {
         const std::string dtype = r.step ? "F32" : st_dtype(r.values.scalar_type());
-        entries.push_back({fmt::format("{}/{}/{}", k, r.name, r.begin), dtype, {r.count},
-                           r.count * ckpt::dtype_size(dtype)});
-        items.push_back({&r, k});
+        plan.entries.push_back({fmt::format("{}/{}/{}", k, r.name, r.begin), dtype, {r.count},
+                                r.count * ckpt::dtype_size(dtype)});
+        plan.items.push_back({&r, k});
       }
     }
     // This rank's random number generators (restored by a load at the same world size).
-    std::vector<std::pair<std::string, at::Tensor>> rng{{"rng/cpu", at::detail::getDefaultCPUGenerator().get_state()}};
-    if (device_.is_cuda()) rng.push_back({"rng/cuda", at::globalContext().defaultGenerator(device_).get_state()});
-    for (const auto& [key, t] : rng) entries.push_back({key, "U8", {t.numel()}, t.numel()});
+    plan.rng = {{"rng/cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+    if (device_.is_cuda()) plan.rng.push_back({"rng/cuda", at::globalContext().defaultGenerator(device_).get_state()});
+    for (const auto& [key, t] : plan.rng) plan.entries.push_back({key, "U8", {t.numel()}, t.numel()});
     offload::IoOptions io;
     if (state_->io) io = state_->io->options();
     io.verify = false;
     io.queue_depth = std::max(io.queue_depth, 32);  // 32 MiB staged per write: keep the disk's queue full
-    ckpt::SafetensorsWriter w((tmp / file).string(), entries,
-                              {{"format", "zeal-checkpoint"}, {"rank", std::to_string(rank)}}, io, ckpt::kCrcBlock);
-    std::vector<float> chunk(1 << 20);
-    for (size_t i = 0; i < items.size(); ++i) {
-      if (i == items.size() / 2) maybe_die("write", rank);
-      const auto& r = *items[i].range;
-      if (!r.step) {
-        const at::Tensor v = r.values.cpu().contiguous();
-        w.append(v.data_ptr(), v.nbytes());
-        continue;
-      }
-      for (int64_t at = 0; at < r.count; at += static_cast<int64_t>(chunk.size())) {
-        const int64_t n = std::min<int64_t>(static_cast<int64_t>(chunk.size()), r.count - at);
-        r.step->read_state(items[i].kind, r.index + at, n, chunk.data());
-        w.append(chunk.data(), n * 4);
-      }
+    auto w = std::make_shared<ckpt::SafetensorsWriter>(
+        (tmp / file).string(), plan.entries, std::map<std::string, std::string>{{"format", "zeal-checkpoint"}, {"rank", std::to_string(rank)}},
+        io, ckpt::kCrcBlock);
+    // A test hook: ZEAL_CHECKPOINT_FAULT=enospc:<rank> makes that rank's first write fail.
+    if (const char* f = std::getenv("ZEAL_CHECKPOINT_FAULT"); f && std::string(f) == fmt::format("enospc:{}", rank)) {
+      w->inject({.at_request = 0, .error = ENOSPC});
     }
-    for (const auto& [key, t] : rng) {
-      const at::Tensor b = t.contiguous();
-      w.append(b.data_ptr(), b.numel());
+    mine["pieces"] = file_pieces(plan, *w);
+    if (!options.async) {
+      WriterSink sink(*w);
+      emit_file(plan, sink, rank);
+      mine["file"] = file_record(file, w->finish());
+    } else {
+      int64_t budget = options.staging_bytes > 0 ? options.staging_bytes : default_staging_budget(world);
+      int64_t bytes = 0;
+      for (const auto& e : plan.entries) bytes += e.bytes;
+      budget = std::min(budget, bytes + (1 << 20));
+      staging = std::make_shared<Staging>(budget);
+      const double timeout = config_.launch.comm_timeout;
+      // The background thread: writes the staged chunks, publishes this rank's report next to its
+      // file; rank 0 then waits for every rank's report and completes the checkpoint.
+      background = std::async(std::launch::async, [staging, w, mine, file, tmp, dir, rank, world, meta, custom,
+                                                   automatic, total_limit = options.total_limit, timeout]() mutable {
+        try {
+          while (Staging::Chunk* ch = staging->next()) {
+            w->append(ch->bytes.data(), ch->fill);
+            staging->done(ch);
+          }
+          mine["file"] = file_record(file, w->finish());
+          w.reset();
+          publish_file(tmp / fmt::format("rank{}.json", rank), mine.dump());
+        } catch (const std::exception& e) {
+          staging->cancel(e.what());
+          if (!fs::exists(tmp)) return std::string(e.what());
+          std::error_code ec;
+          try {
+            publish_file(tmp / fmt::format("rank{}.error", rank), e.what());
+          } catch (...) {
+          }
+          return std::string(e.what());
+        }
+        if (rank != 0) return std::string();
+        try {
+          std::vector<json> reports(static_cast<size_t>(world));
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+          for (int r = 0; r < world; ++r) {
+            const fs::path ok = tmp / fmt::format("rank{}.json", r), bad = tmp / fmt::format("rank{}.error", r);
+            while (!fs::exists(ok)) {
+              if (fs::exists(bad)) {
+                std::ifstream f(bad);
+                throw Error(fmt::format("rank {}: {}", r, std::string(std::istreambuf_iterator<char>(f), {})));
+              }
+              if (staging->cancelled()) throw Error("cancelled");
+              if (std::chrono::steady_clock::now() > deadline) {
+                throw Error(fmt::format("rank {} did not finish its file within comm_timeout ({} s)", r, timeout));
+              }
+              std::this_thread::sleep_for(std::chrono::milliseconds(20));
+            }
+            reports[r] = json::parse(std::ifstream(ok));
+          }
+          for (int r = 0; r < world; ++r) fs::remove(tmp / fmt::format("rank{}.json", r));
+          remove_all_quietly(complete_checkpoint(dir, tmp, reports, meta, custom, automatic, total_limit));
+        } catch (const std::exception& e) {
+          std::error_code ec;
+          fs::remove_all(tmp, ec);
+          return fmt::format("rank 0, finishing: {}", e.what());
+        }
+        return std::string();
+      });
+      emit_file(plan, *staging, rank);
+      staging->close();
     }
-    const ckpt::FileDigest d = w.finish();
-    json pieces = json::array();
-    for (size_t i = 0; i < items.size(); ++i) {
-      const auto& r = *items[i].range;
-      pieces.push_back({{"kind", items[i].kind}, {"name", r.name}, {"shape", r.shape}, {"begin", r.begin},
-                        {"count", r.count}, {"dtype", w.entries()[i].dtype}, {"offset", w.entries()[i].offset},
-                        {"trainable", r.step != nullptr}});
-    }
-    mine["file"] = {{"name", file}, {"bytes", d.bytes}, {"crc32c", d.crc32c}, {"crc_block", d.crc_block},
-                    {"block_crcs", d.block_crcs}};
-    mine["pieces"] = std::move(pieces);
   } catch (const std::exception& e) {
     mine["error"] = e.what();
   }
   z.end_state_access(/*changed=*/false);
+  if (options.async) {
+    // Every rank's snapshot must have succeeded; the rest is the background's (wait_for_save).
+    const auto errors = all_strings(*this, mine.value("error", ""));
+    std::string failed;
+    for (size_t r = 0; r < errors.size(); ++r)
+      if (!errors[r].empty()) failed += fmt::format("\n  rank {}: {}", r, errors[r]);
+    if (!failed.empty()) {
+      if (staging) staging->cancel("another rank failed");
+      if (background.valid()) background.wait();
+      wait_for_everyone();
+      if (rank == 0) fs::remove_all(tmp);
+      throw Error(fmt::format("save_state: {} was not saved (the previous checkpoint, if any, is unchanged):{}",
+                              dir.string(), failed));
+    }
+    state_->saving = std::move(background);
+    state_->saving_dir = dir.string();
+    return dir.string();
+  }
   // Every rank's outcome and pieces to every rank (rank 0 writes the manifest; all agree on errors).
   std::vector<json> reports;
   for (const auto& t : all_strings(*this, mine.dump())) reports.push_back(json::parse(t));
@@ -251,62 +608,8 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
   }
   if (failed.empty() && rank == 0) {
     try {
-      json m;
-      m["format"] = "zeal-checkpoint";
-      m["version"] = kFormatVersion;
-      m["world_size"] = world;
-      m["zero_stage"] = z.stage();
-      m["compute_dtype"] = c10::toString(compute_dtype_);
-      m["optimizer_steps"] = optimizer_steps_;
-      json scheds = json::array();
-      for (const auto& s : state_->schedulers) scheds.push_back({{"seen_steps", s.seen_steps}});
-      m["schedulers"] = scheds;
-      json loaders = json::array();
-      for (const auto& c : state_->cursors) loaders.push_back({{"epoch", c->epoch}, {"samples", c->samples}});
-      m["loaders"] = loaders;
-      if (state_->scaler) {
-        const auto sc = state_->scaler->snapshot();
-        m["loss_scaler"] = {{"scale", sc.scale}, {"left", sc.left}, {"iter", sc.iter},
-                            {"last_overflow", sc.last_overflow}, {"skipped", sc.skipped}};
-      }
-      json files = json::object(), pieces = json::array();
-      for (const auto& rep : reports) {
-        files[rep["file"]["name"].get<std::string>()] = rep["file"];
-        for (auto p : rep["pieces"]) {
-          p["file"] = rep["file"]["name"];
-          pieces.push_back(std::move(p));
-        }
-      }
-      m["files"] = files;
-      m["pieces"] = pieces;
-      m["custom_objects"] = state_->custom.size();
-      for (size_t k = 0; k < state_->custom.size(); ++k) {
-        write_file_synced(tmp / fmt::format("custom_{}.bin", k), state_->custom[k]->state_dict());
-      }
-      write_file_synced(tmp / "manifest.json", m.dump(1));
-      fsync_path(tmp);
-      // The new checkpoint takes the name only now, complete; an old one there goes after.
-      const fs::path old = parent / ("." + dir.filename().string() + ".old");
-      fs::remove_all(old);
-      if (fs::exists(dir)) fs::rename(dir, old);
-      fs::rename(tmp, dir);
-      fsync_path(parent);
-      fs::remove_all(old);
-      maybe_die("latest", rank);
-      write_file_synced(parent / ".latest.partial", dir.filename().string() + "\n");
-      fs::rename(parent / ".latest.partial", parent / "latest");
-      fsync_path(parent);
-      if (automatic && options.total_limit > 0) {
-        std::vector<std::pair<int64_t, fs::path>> found;
-        for (const auto& e : fs::directory_iterator(parent)) {
-          const std::string n = e.path().filename().string();
-          if (n.rfind("checkpoint_", 0) == 0 && n.size() > 11 && n.find_first_not_of("0123456789", 11) == std::string::npos) {
-            found.push_back({std::stoll(n.substr(11)), e.path()});
-          }
-        }
-        std::sort(found.begin(), found.end());
-        for (size_t i = 0; i + options.total_limit < found.size(); ++i) fs::remove_all(found[i].second);
-      }
+      auto doomed = complete_checkpoint(dir, tmp, reports, meta, custom, automatic, options.total_limit);
+      state_->cleanup = std::async(std::launch::async, [doomed] { remove_all_quietly(doomed); });
     } catch (const std::exception& e) {
       failed = fmt::format("\n  rank 0, finishing: {}", e.what());
     }
@@ -323,6 +626,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
 
 void Engine::load_state(const std::string& dir_arg) {
   if (!state_->zero) throw Error("load_state: prepare a model and its optimizer first");
+  wait_for_save();
   fs::path dir = dir_arg.empty() ? fs::path("checkpoints") : fs::path(dir_arg);
   if (!fs::exists(dir / "manifest.json") && fs::exists(dir / "latest")) {
     std::ifstream f(dir / "latest");
@@ -335,7 +639,7 @@ void Engine::load_state(const std::string& dir_arg) {
   struct Loaded {
     const zero::StateRange* range;
     std::string kind;
-    std::vector<char> bytes;
+    std::unique_ptr<char[]> bytes;
     std::string dtype;
   };
   std::vector<zero::StateRange> ranges;
@@ -395,7 +699,7 @@ void Engine::load_state(const std::string& dir_arg) {
       if (!f) throw Error(fmt::format("{} is missing", (dir / fmt::format("custom_{}.bin", k)).string()));
       custom.emplace_back((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
     }
-    ckpt::CheckedReader reader;
+    std::vector<ckpt::CheckedReader::Read> reads;  // all of them, then read in one go
     ranges = z.state_ranges(/*to_write=*/false);
     if (z.stage() < 3) {
       frozen_whole = frozen_params(*state_->module);
@@ -422,14 +726,15 @@ void Engine::load_state(const std::string& dir_arg) {
         }
         const std::string dtype = pit->second.front().dtype;
         const int64_t es = ckpt::dtype_size(dtype);
-        Loaded l{&r, k, std::vector<char>(static_cast<size_t>(r.count * es)), dtype};
+        // Not zeroed: every byte is read below (or the load fails).
+        Loaded l{&r, k, std::unique_ptr<char[]>(new char[static_cast<size_t>(r.count * es)]), dtype};
         int64_t covered = 0;
         for (const auto& p : pit->second) {
           const int64_t lo = std::max(p.begin, r.begin), hi = std::min(p.begin + p.count, r.begin + r.count);
           if (lo >= hi) continue;
           if (p.dtype != dtype) throw Error(fmt::format("the pieces of {} of '{}' differ in dtype", k, r.name));
-          reader.read(dir / p.file, files.at(p.file), p.offset + (lo - p.begin) * es, (hi - lo) * es,
-                      l.bytes.data() + (lo - r.begin) * es);
+          reads.push_back({dir / p.file, &files.at(p.file), p.offset + (lo - p.begin) * es, (hi - lo) * es,
+                           l.bytes.get() + (lo - r.begin) * es});
           covered += hi - lo;
         }
         if (covered != r.count) {
@@ -439,6 +744,8 @@ void Engine::load_state(const std::string& dir_arg) {
         loaded.push_back(std::move(l));
       }
     }
+    ckpt::CheckedReader reader;
+    reader.read_many(reads);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -455,7 +762,7 @@ void Engine::load_state(const std::string& dir_arg) {
     c10::NoGradGuard no_grad;
     for (auto& l : loaded) {
       const zero::StateRange& r = *l.range;
-      const at::Tensor src = at::from_blob(l.bytes.data(), {r.count}, at::TensorOptions().dtype(at_dtype(l.dtype)));
+      const at::Tensor src = at::from_blob(l.bytes.get(), {r.count}, at::TensorOptions().dtype(at_dtype(l.dtype)));
       if (l.kind == "param") {
         r.values.copy_(src);
       } else {
@@ -551,23 +858,96 @@ std::vector<std::string> Engine::save_model(const std::string& dir, const SaveMo
   return files;
 }
 
-int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir) {
-  const fs::path d = dir;
-  // Which file holds each tensor.
+namespace {
+
+// Hugging Face-style weights in a directory: which file holds each tensor, and where.
+struct HfWeights {
+  fs::path dir;
   std::map<std::string, std::string> where;
-  if (fs::exists(d / "model.safetensors.index.json")) {
-    json idx = json::parse(std::ifstream(d / "model.safetensors.index.json"));
-    for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it) where[it.key()] = it.value();
-  } else if (fs::exists(d / "model.safetensors")) {
-    for (const auto& [name, e] : ckpt::read_safetensors_header((d / "model.safetensors").string()).tensors) {
-      where[name] = "model.safetensors";
-    }
-  } else {
-    throw Error(fmt::format("load_checkpoint_in_model: {} has neither model.safetensors nor "
-                            "model.safetensors.index.json",
-                            d.string()));
-  }
   std::map<std::string, ckpt::SafetensorsHeader> headers;
+
+  explicit HfWeights(const fs::path& d) : dir(d) {
+    if (fs::exists(d / "model.safetensors.index.json")) {
+      json idx;
+      try {
+        idx = json::parse(std::ifstream(d / "model.safetensors.index.json"));
+        for (auto it = idx.at("weight_map").begin(); it != idx.at("weight_map").end(); ++it) {
+          where[it.key()] = it.value().get<std::string>();
+        }
+      } catch (const json::exception& e) {
+        throw Error(fmt::format("load_checkpoint_in_model: {} is not a valid index ({})",
+                                (d / "model.safetensors.index.json").string(), e.what()));
+      }
+    } else if (fs::exists(d / "model.safetensors")) {
+      for (const auto& [name, e] : ckpt::read_safetensors_header((d / "model.safetensors").string()).tensors) {
+        where[name] = "model.safetensors";
+      }
+    } else {
+      throw Error(fmt::format("load_checkpoint_in_model: {} has neither model.safetensors nor "
+                              "model.safetensors.index.json",
+                              d.string()));
+    }
+  }
+  bool has(const std::string& name) const { return where.count(name) > 0; }
+  // The tensor `name`, checked against the model's shape.
+  std::pair<fs::path, ckpt::TensorEntry> entry(const std::string& name, const std::vector<int64_t>& shape) {
+    auto w = where.find(name);
+    if (w == where.end()) throw Error(fmt::format("load_checkpoint_in_model: {} has no tensor '{}'", dir.string(), name));
+    if (!headers.count(w->second)) headers[w->second] = ckpt::read_safetensors_header((dir / w->second).string());
+    auto e = headers[w->second].tensors.find(name);
+    if (e == headers[w->second].tensors.end()) {
+      throw Error(fmt::format("load_checkpoint_in_model: {} has no tensor '{}' (its index says it has)",
+                              (dir / w->second).string(), name));
+    }
+    if (e->second.shape != shape) {
+      throw Error(fmt::format("load_checkpoint_in_model: '{}' is {} in {} and {} in the model", name,
+                              json(e->second.shape).dump(), w->second, json(shape).dump()));
+    }
+    return {dir / w->second, e->second};
+  }
+};
+
+// Elements [begin, begin + count) of a tensor in a safetensors file, in the file's dtype.
+at::Tensor read_elements(const fs::path& file, const ckpt::TensorEntry& e, int64_t begin, int64_t count) {
+  const int64_t es = ckpt::dtype_size(e.dtype);
+  at::Tensor t = at::empty({count}, at::TensorOptions().dtype(at_dtype(e.dtype)));
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(fmt::format("load_checkpoint_in_model: cannot open {}: {}", file.string(), std::strerror(errno)));
+  char* out = static_cast<char*>(t.data_ptr());
+  for (int64_t got = 0, n = count * es; got < n;) {
+    const ssize_t r = ::pread(fd, out + got, static_cast<size_t>(n - got), e.offset + begin * es + got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      ::close(fd);
+      throw Error(fmt::format("load_checkpoint_in_model: {} is truncated (tensor '{}')", file.string(), e.name));
+    }
+    got += r;
+  }
+  ::close(fd);
+  return t;
+}
+
+// Which engine prepared a module (load_checkpoint_in_model then loads its shards).
+std::mutex prepared_mu;
+std::map<const torch::nn::Module*, Engine*> prepared_modules;
+
+}  // namespace
+
+void remember_prepared(const torch::nn::Module* module, Engine* engine) {
+  std::lock_guard<std::mutex> lock(prepared_mu);
+  if (engine) prepared_modules[module] = engine;
+  else prepared_modules.erase(module);
+}
+
+int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir) {
+  Engine* engine = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(prepared_mu);
+    auto it = prepared_modules.find(&model);
+    if (it != prepared_modules.end()) engine = it->second;
+  }
+  if (engine && engine->load_weights_sharded(dir)) return static_cast<int64_t>(model.named_parameters(true).size());
+  HfWeights w{fs::path(dir)};
   struct Target {
     std::string name;
     at::Tensor t;
@@ -577,34 +957,75 @@ int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& di
   for (const auto& item : model.named_parameters(true))
     if (seen.insert(item.value().unsafeGetTensorImpl()).second) targets.push_back({item.key(), item.value()});
   for (const auto& item : model.named_buffers(true)) {
-    if (where.count(item.key()) && seen.insert(item.value().unsafeGetTensorImpl()).second) {
+    if (w.has(item.key()) && seen.insert(item.value().unsafeGetTensorImpl()).second) {
       targets.push_back({item.key(), item.value()});
     }
   }
-  // Every name and shape first: nothing changes when one is wrong.
-  for (const auto& t : targets) {
-    auto w = where.find(t.name);
-    if (w == where.end()) throw Error(fmt::format("load_checkpoint_in_model: {} has no tensor '{}'", d.string(), t.name));
-    if (!headers.count(w->second)) headers[w->second] = ckpt::read_safetensors_header((d / w->second).string());
-    const auto& e = headers[w->second].tensors.at(t.name);
-    if (e.shape != t.t.sizes().vec()) {
-      throw Error(fmt::format("load_checkpoint_in_model: '{}' is {} in {} and {} in the model", t.name,
-                              json(e.shape).dump(), w->second, json(t.t.sizes().vec()).dump()));
-    }
-  }
+  // Every name and shape first: nothing changes when one is wrong (the headers' check also says
+  // every tensor lies inside its file).
+  for (const auto& t : targets) (void)w.entry(t.name, t.t.sizes().vec());
   c10::NoGradGuard no_grad;
   for (const auto& t : targets) {
-    const std::string& file = where.at(t.name);
-    const auto& e = headers[file].tensors.at(t.name);
-    at::Tensor buf = at::empty(e.shape, at::TensorOptions().dtype(at_dtype(e.dtype)));
-    std::ifstream f(d / file, std::ios::binary);
-    f.seekg(e.offset);
-    if (!f.read(static_cast<char*>(buf.data_ptr()), e.bytes)) {
-      throw Error(fmt::format("load_checkpoint_in_model: {} is truncated (tensor '{}')", (d / file).string(), t.name));
-    }
-    t.t.copy_(buf);
+    const auto [file, e] = w.entry(t.name, t.t.sizes().vec());
+    t.t.copy_(read_elements(file, e, 0, t.t.numel()).view(t.t.sizes()));
   }
   return static_cast<int64_t>(targets.size());
+}
+
+bool Engine::load_weights_sharded(const std::string& dir) {
+  if (!state_->zero) return false;  // not prepared with its optimizer: the parameters are whole
+  wait_for_save();
+  zero::Sharding& z = *state_->zero;
+  std::vector<zero::StateRange> ranges;
+  std::vector<std::pair<const zero::StateRange*, at::Tensor>> loaded;
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // model's, read
+  std::string error;
+  try {
+    z.begin_state_access();
+    HfWeights w{fs::path(dir)};
+    ranges = z.state_ranges(/*to_write=*/false);
+    if (z.stage() < 3) {
+      for (auto& [name, p] : frozen_params(*state_->module)) {
+        ranges.push_back({name, p.sizes().vec(), 0, p.numel(), p.detach().reshape({-1})});
+      }
+    }
+    // Each rank reads only the elements it holds.
+    for (const auto& r : ranges) {
+      const auto [file, e] = w.entry(r.name, r.shape);
+      loaded.push_back({&r, read_elements(file, e, r.begin, r.count)});
+    }
+    for (const auto& item : state_->module->named_buffers(true)) {
+      if (!w.has(item.key())) continue;
+      const auto [file, e] = w.entry(item.key(), item.value().sizes().vec());
+      buffers.push_back({item.value(), read_elements(file, e, 0, item.value().numel()).view(item.value().sizes())});
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::string failed;
+  const auto errors = all_strings(*this, error);
+  for (size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) failed += fmt::format("\n  rank {}: {}", r, errors[r]);
+  if (!failed.empty()) {
+    z.end_state_access(/*changed=*/false);
+    throw Error(fmt::format("load_checkpoint_in_model: {}: nothing was changed:{}", dir, failed));
+  }
+  {
+    c10::NoGradGuard no_grad;
+    for (auto& [r, src] : loaded) {
+      if (!r->step) {
+        r->values.copy_(src);
+        continue;
+      }
+      const at::Tensor f32 = src.to(at::kFloat).contiguous();
+      r->step->write_state("master", r->index, r->count, f32.data_ptr<float>());
+      r->values.copy_(f32);
+    }
+    for (auto& [b, src] : buffers) b.copy_(src);
+  }
+  loaded.clear();
+  z.end_state_access(/*changed=*/true);
+  return true;
 }
 
 void Engine::register_for_checkpointing(std::shared_ptr<Checkpointable> object) {

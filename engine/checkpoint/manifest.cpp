@@ -7,6 +7,10 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
 #include <map>
 
 #include <fmt/format.h>
@@ -24,7 +28,7 @@ struct CheckedReader::Impl {
   };
   std::map<std::string, Fds> files;
   std::unique_ptr<offload::IoEngine> io;
-  std::unique_ptr<offload::AlignedBuffer> buf;
+  std::vector<std::unique_ptr<offload::AlignedBuffer>> bufs;  // the reader's ring
   int64_t span = 0;
   ~Impl() {
     for (auto& [p, f] : files) {
@@ -48,53 +52,130 @@ CheckedReader::CheckedReader(int64_t span) : impl_(std::make_unique<Impl>()) {
   o.queue_depth = 32;
   impl_->io = offload::make_io_engine(o);
   impl_->span = std::max<int64_t>(span, kCrcBlock);
-  impl_->buf = std::make_unique<offload::AlignedBuffer>(impl_->span);
-  impl_->io->register_buffer(impl_->buf->data(), impl_->buf->size());
+  for (int k = 0; k < 3; ++k) {
+    impl_->bufs.push_back(std::make_unique<offload::AlignedBuffer>(impl_->span));
+    impl_->io->register_buffer(impl_->bufs.back()->data(), impl_->bufs.back()->size());
+  }
 }
 
 CheckedReader::~CheckedReader() = default;
 
 void CheckedReader::read(const std::filesystem::path& path, const SavedFile& f, int64_t offset, int64_t n, char* out) {
-  if (n <= 0) return;
-  Impl::Fds& fds = impl_->open(path);
-  char* block = impl_->buf->data();
-  if (f.crc_block > impl_->span) throw Error(fmt::format("checkpoint: {}: CRC blocks of {} bytes", path.string(), f.crc_block));
-  const int64_t per_span = std::max<int64_t>(1, impl_->span / f.crc_block);
-  const int64_t first = offset / f.crc_block, last = (offset + n - 1) / f.crc_block;
-  for (int64_t b0 = first; b0 <= last; b0 += per_span) {
-    const int64_t b1 = std::min(last + 1, b0 + per_span);  // blocks [b0, b1)
-    const int64_t at = b0 * f.crc_block, len = std::min(b1 * f.crc_block, f.bytes) - at;
-    if (len <= 0) {
-      throw Error(fmt::format("checkpoint: {} is truncated: byte {} is past its end", path.string(), at));
+  read_many({{path, &f, offset, n, out}});
+}
+
+void CheckedReader::read_many(const std::vector<Read>& reads) {
+  // The spans to read, in order: whole CRC blocks [b0, b1) of one request's file.
+  struct Task {
+    size_t read;
+    int64_t b0, b1;
+  };
+  std::vector<Task> tasks;
+  std::vector<Impl::Fds*> fds;
+  for (size_t i = 0; i < reads.size(); ++i) {
+    const Read& r = reads[i];
+    fds.push_back(&impl_->open(r.path));  // here: the producer below only reads
+    if (r.n <= 0) continue;
+    const SavedFile& f = *r.file;
+    if (f.crc_block > impl_->span || f.crc_block <= 0) {
+      throw Error(fmt::format("checkpoint: {}: CRC blocks of {} bytes", r.path.string(), f.crc_block));
     }
-    // Whole aligned blocks through O_DIRECT, the rest (a file's short tail) with pread.
-    int64_t direct = fds.direct >= 0 && f.crc_block % offload::kIoAlign == 0 ? len / offload::kIoAlign * offload::kIoAlign : 0;
+    const int64_t per_span = std::max<int64_t>(1, impl_->span / f.crc_block);
+    const int64_t first = r.offset / f.crc_block, last = (r.offset + r.n - 1) / f.crc_block;
+    for (int64_t b0 = first; b0 <= last; b0 += per_span) tasks.push_back({i, b0, std::min(last + 1, b0 + per_span)});
+  }
+  if (tasks.empty()) return;
+  // Reads task t's blocks into `block`: whole aligned blocks through O_DIRECT, the rest (a file's
+  // short tail) with pread.
+  auto fetch = [&](const Task& t, char* block) {
+    const Read& r = reads[t.read];
+    const SavedFile& f = *r.file;
+    const Impl::Fds& fd = *fds[t.read];
+    const int64_t at = t.b0 * f.crc_block, len = std::min(t.b1 * f.crc_block, f.bytes) - at;
+    if (len <= 0) throw Error(fmt::format("checkpoint: {} is truncated: byte {} is past its end", r.path.string(), at));
+    int64_t direct = fd.direct >= 0 && f.crc_block % offload::kIoAlign == 0 ? len / offload::kIoAlign * offload::kIoAlign : 0;
     if (direct > 0) {
       try {
-        impl_->io->read(fds.direct, path.string(), block, direct, at);
+        impl_->io->read(fd.direct, r.path.string(), block, direct, at);
       } catch (const offload::IoError& e) {
-        throw Error(fmt::format("checkpoint: {} is truncated or unreadable: {}", path.string(), e.what()));
+        throw Error(fmt::format("checkpoint: {} is truncated or unreadable: {}", r.path.string(), e.what()));
       }
     }
     for (int64_t got = direct; got < len;) {
-      const ssize_t r = ::pread(fds.buffered, block + got, static_cast<size_t>(len - got), at + got);
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) {
-        throw Error(fmt::format("checkpoint: {} is truncated: bytes {}..{} cannot be read", path.string(), at + got,
+      const ssize_t k = ::pread(fd.buffered, block + got, static_cast<size_t>(len - got), at + got);
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) {
+        throw Error(fmt::format("checkpoint: {} is truncated: bytes {}..{} cannot be read", r.path.string(), at + got,
                                 at + len));
       }
-      got += r;
+      got += k;
     }
-    for (int64_t b = b0; b < b1; ++b) {
+  };
+  // A reader thread keeps the disk busy a span or two ahead (a ring of buffers) while this thread
+  // checks the CRCs and copies the bytes out.
+  const size_t slots = impl_->bufs.size();
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t fetched = 0, consumed = 0;
+  bool stop = false;
+  std::exception_ptr failure;
+  std::thread reader([&] {
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stop || t - consumed < slots; });
+        if (stop) return;
+      }
+      try {
+        fetch(tasks[t], impl_->bufs[t % slots]->data());
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        failure = std::current_exception();
+        cv.notify_all();
+        return;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      fetched = t + 1;
+      cv.notify_all();
+    }
+  });
+  struct Join {  // an error below stops and joins the reader
+    std::thread& th;
+    std::mutex& mu;
+    std::condition_variable& cv;
+    bool& stop;
+    ~Join() {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        stop = true;
+      }
+      cv.notify_all();
+      th.join();
+    }
+  } join{reader, mu, cv, stop};
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return fetched > t || failure; });
+      if (fetched <= t) std::rethrow_exception(failure);
+    }
+    const Read& r = reads[tasks[t].read];
+    const SavedFile& f = *r.file;
+    const int64_t at = tasks[t].b0 * f.crc_block;
+    const char* block = impl_->bufs[t % slots]->data();
+    for (int64_t b = tasks[t].b0; b < tasks[t].b1; ++b) {
       const int64_t bat = b * f.crc_block, blen = std::min(f.crc_block, f.bytes - bat);
       const char* p = block + (bat - at);
       if (static_cast<size_t>(b) >= f.block_crcs.size() || offload::crc32c(p, static_cast<size_t>(blen)) != f.block_crcs[b]) {
-        throw Error(fmt::format("checkpoint: {} is corrupted: bytes {}..{} do not match their CRC32C", path.string(),
+        throw Error(fmt::format("checkpoint: {} is corrupted: bytes {}..{} do not match their CRC32C", r.path.string(),
                                 bat, bat + blen));
       }
-      const int64_t lo = std::max(bat, offset), hi = std::min(bat + blen, offset + n);
-      if (lo < hi) std::memcpy(out + (lo - offset), p + (lo - bat), static_cast<size_t>(hi - lo));
+      const int64_t lo = std::max(bat, r.offset), hi = std::min(bat + blen, r.offset + r.n);
+      if (lo < hi) std::memcpy(r.out + (lo - r.offset), p + (lo - bat), static_cast<size_t>(hi - lo));
     }
+    std::lock_guard<std::mutex> lock(mu);
+    consumed = t + 1;
+    cv.notify_all();
   }
 }
 

@@ -28,15 +28,23 @@ struct SavedFile {
 // Reads bytes [offset, offset + n) of checkpoint files into `out`, checking the CRC32C of every
 // block it touches; zeal::Error names the file and the block when one is missing or differs.
 // Whole blocks are read with O_DIRECT through the offload I/O engine (io_uring, 1 MiB requests,
-// up to 32 in flight) where the file system allows, a file's short last block with pread; files
-// stay open for the reader's life.
+// up to 32 in flight) where the file system allows, a file's short last block with pread. A reader
+// thread stays up to three spans ahead of the checking, across all the requests of one read_many;
+// files stay open for the reader's life.
 class CheckedReader {
  public:
+  struct Read {
+    std::filesystem::path path;
+    const SavedFile* file;
+    int64_t offset, n;
+    char* out;
+  };
   explicit CheckedReader(int64_t span = 32 << 20);  // bytes read at once
   ~CheckedReader();
   CheckedReader(const CheckedReader&) = delete;
   CheckedReader& operator=(const CheckedReader&) = delete;
   void read(const std::filesystem::path& path, const SavedFile& f, int64_t offset, int64_t n, char* out);
+  void read_many(const std::vector<Read>& reads);
 
  private:
   struct Impl;

@@ -45,6 +45,8 @@ class SafetensorsWriter {
   SafetensorsWriter(const SafetensorsWriter&) = delete;
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
   const std::vector<TensorEntry>& entries() const { return entries_; }
+  // A fault in the writes, for tests.
+  void inject(const offload::FaultInjection& f) { io_->inject(f); }
   // The next `n` bytes of the tensors, in order (a tensor may come in several calls).
   void append(const void* data, int64_t n);
   // Room in the staging buffer: a caller filling it directly writes at most this many bytes at

@@ -8,7 +8,9 @@
 // the files.
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -27,6 +29,7 @@
 #include <torch/optim/adamw.h>
 
 #include "engine/checkpoint/safetensors.h"
+#include "engine/zero/sharded.h"
 
 #include "tests/engine/engine_harness.h"
 
@@ -42,6 +45,8 @@ struct Phase {
   RunSpec spec;
   int from = 0, to = kSteps;
   std::string load, save;  // directories (empty: none)
+  int save_at = -1;         // save before this step instead of after the last
+  zeal::SaveStateOptions options = {};
 };
 
 // Trains steps [from, to) of a run whose step k always sees the same global batch (samples
@@ -59,6 +64,7 @@ std::vector<at::Tensor> run_phase(const Phase& p, const std::string& name) {
         const int64_t per_step = s.micro_batch * s.world * s.accumulation;
         at::Tensor tokens = make_tokens(per_step * kSteps);
         for (int step = p.from; step < p.to; ++step) {
+          if (step == p.save_at && !p.save.empty()) engine.save_state(p.save, p.options);
           for (int micro = 0; micro < s.accumulation; ++micro) {
             auto guard = engine.accumulate(m);
             const int64_t first = step * per_step + (micro * s.world + engine.process_index()) * s.micro_batch;
@@ -73,7 +79,8 @@ std::vector<at::Tensor> run_phase(const Phase& p, const std::string& name) {
             o.zero_grad();
           }
         }
-        if (!p.save.empty()) engine.save_state(p.save);
+        if (!p.save.empty() && p.save_at < 0) engine.save_state(p.save, p.options);
+        engine.wait_for_save();
         auto g = engine.gathered();
         write_tensor(out + "/params_" + std::to_string(engine.process_index()), flat_params(*m));
       },
@@ -386,6 +393,75 @@ TEST(CheckpointCrash, AKilledSaveLeavesThePreviousCheckpoint) {
   fs::remove_all(root);
 }
 
+// An asynchronous save holds the state as it was at the call while training goes on during its
+// writes (with the whole state staged, and with a staging budget far smaller than the state, where
+// the call waits for the writes to make room): resuming from it gives the bits of one uninterrupted
+// run, and the run that saved is not disturbed either.
+TEST(CheckpointAsync, AnAsyncSaveHoldsTheStateOfTheCallWhileTrainingGoesOn) {
+  for (const int64_t staging : {int64_t{0}, int64_t{128} << 10}) {
+    const std::string label = "async_" + std::to_string(staging);
+    const std::string ckpt = temp_dir("ckpt_" + label);
+    for (const RunSpec& s : {spec(3, 2), with_offload(spec(1, 2))}) {
+      const auto whole = run_phase({s, 0, kSteps, "", ""}, label + "_whole");
+      Phase saving{s, 0, kSteps, "", ckpt, kSteps / 2, {.async = true, .staging_bytes = staging}};
+      const auto during = run_phase(saving, label + "_saving");
+      ASSERT_TRUE(fs::exists(fs::path(ckpt) / "manifest.json")) << label;
+      const auto resumed = run_phase({s, kSteps / 2, kSteps, ckpt, ""}, label + "_resumed");
+      for (size_t r = 0; r < whole.size(); ++r) {
+        EXPECT_TRUE(at::equal(whole[r], during[r])) << label << " rank " << r << ": the saving run was disturbed";
+        EXPECT_TRUE(at::equal(whole[r], resumed[r]))
+            << label << " stage " << s.stage << " rank " << r << ": largest difference "
+            << (whole[r] - resumed[r]).abs().max().item<double>();
+      }
+      fs::remove_all(ckpt);
+    }
+  }
+}
+
+// A write that fails on one rank (no space left) fails the save on every rank, naming that rank
+// and the cause: at once for a synchronous save, at wait_for_save (or at the call, if it came
+// while the state was still being copied) for an asynchronous one; `latest` still names the
+// previous checkpoint, and nothing of the failed one is left.
+TEST(CheckpointAsync, AFailedWriteIsReportedOnEveryRankAndKeepsThePreviousCheckpoint) {
+  const fs::path root = temp_dir("ckpt_async_fail");
+  RunSpec s = spec(2, 2);
+  (void)run_phase({s, 0, 1, "", (root / "first").string()}, "async_fail_first");
+  for (const bool async : {false, true}) {
+    ::setenv("ZEAL_CHECKPOINT_FAULT", "enospc:1", 1);
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Engine engine(make_config(s), rt);
+          zeal_test::Setup u = make_setup(s);
+          auto [m, o] = engine.prepare(u.model, *u.opt);
+          std::string said = "no error";
+          try {
+            engine.save_state((root / "second").string(), {.async = async});
+            engine.wait_for_save();
+          } catch (const zeal::Error& e) {
+            said = e.what();
+          }
+          std::ofstream(root / ("said_" + std::to_string(engine.process_index()))) << said;
+        },
+        s.world);
+    ::unsetenv("ZEAL_CHECKPOINT_FAULT");
+    EXPECT_EQ(zeal::describe_failures(results), "");
+    for (int r = 0; r < s.world; ++r) {
+      std::ifstream f(root / ("said_" + std::to_string(r)));
+      const std::string said((std::istreambuf_iterator<char>(f)), {});
+      EXPECT_NE(said.find("rank 1"), std::string::npos) << "async " << async << ", rank " << r << ": " << said;
+      EXPECT_NE(said.find(std::strerror(ENOSPC)), std::string::npos) << "async " << async << ", rank " << r << ": " << said;
+      EXPECT_NE(said.find("was not saved"), std::string::npos) << said;
+    }
+    std::ifstream f(root / "latest");
+    std::string n;
+    std::getline(f, n);
+    EXPECT_EQ(n, "first") << "async " << async;
+    EXPECT_FALSE(fs::exists(root / "second")) << "async " << async;
+    EXPECT_FALSE(fs::exists(root / ".second.partial")) << "async " << async;
+  }
+  fs::remove_all(root);
+}
+
 TEST(CheckpointNames, AutomaticNamesKeepTotalLimit) {
   const fs::path root = temp_dir("ckpt_auto");
   RunSpec s = spec(1, 2);
@@ -412,8 +488,24 @@ TEST(CheckpointNames, AutomaticNamesKeepTotalLimit) {
 }
 
 // The exported model: engine.save_model (fp32) and `zeal consolidate` (bf16 and fp16, in shards of
-// 8 KB with an index) read back by zeal::load_checkpoint_in_model into a fresh model equal the
-// parameters the ranks gathered exactly (16-bit: as LibTorch rounds them).
+// 8 KB with an index) read back by zeal::load_checkpoint_in_model into a fresh model, or into the
+// prepared stage-3 model (each rank its shards), equal the parameters the ranks gathered exactly
+// (16-bit: as LibTorch rounds them).
+// Bytes this process read through read/pread (the kernel's rchar).
+int64_t read_bytes_of_process() {
+  std::ifstream f("/proc/self/io");
+  std::string key;
+  int64_t v = 0;
+  while (f >> key >> v)
+    if (key == "rchar:") return v;
+  return -1;
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
 TEST(CheckpointExport, ExportedWeightsEqualTheGatheredParameters) {
   const std::string ckpt = temp_dir("ckpt_export"), model_dir = temp_dir("ckpt_export_model"),
                     out = temp_dir("ckpt_export_out");
@@ -432,12 +524,28 @@ TEST(CheckpointExport, ExportedWeightsEqualTheGatheredParameters) {
         engine.save_state(ckpt);
         const auto files = engine.save_model(model_dir);
         if (engine.is_main_process() && files.size() != 1) throw zeal::Error("save_model wrote several files");
-        auto g = engine.gathered();
-        if (engine.is_main_process()) write_tensor(out + "/gathered", flat_params(*m));
+        {
+          auto g = engine.gathered();
+          if (engine.is_main_process()) write_tensor(out + "/gathered", flat_params(*m));
+        }
+        // Into the prepared model after another step: the master weights take the values too (a
+        // second export from them is the same file).
+        engine.backward(lm_loss(m, tokens.narrow(0, 2 * engine.process_index(), 2)));
+        o.step();
+        o.zero_grad();
+        zeal::load_checkpoint_in_model(*m, model_dir);
+        {
+          auto g = engine.gathered();
+          if (engine.is_main_process()) write_tensor(out + "/reloaded", flat_params(*m));
+        }
+        engine.save_model(out + "/again");
       },
       s.world);
   ASSERT_EQ(zeal::describe_failures(results), "");
   const at::Tensor gathered = read_tensor(out + "/gathered");
+  EXPECT_TRUE(at::equal(read_tensor(out + "/reloaded"), gathered)) << "loaded into the prepared model";
+  EXPECT_EQ(file_bytes(model_dir + "/model.safetensors"), file_bytes(out + "/again/model.safetensors"))
+      << "the master weights did not take the loaded values";
   auto fresh = [&] {
     TinyGptOptions mo = model_options();
     mo.layers = s.layers;
@@ -484,6 +592,63 @@ TEST(CheckpointExport, ExportedWeightsEqualTheGatheredParameters) {
 // `zeal consolidate` streams parameter by parameter: its peak resident set (the kernel's count for
 // the process, from wait4) stays below the model's size — here 8 layers of 4096 x 4096 (537 MB in
 // fp32), saved by one rank.
+// Stage 3 over 2 ranks: load_checkpoint_in_model into the prepared model reads about half the
+// file on each rank (the kernel's count of bytes the process read), not the whole of it.
+TEST(CheckpointExport, EachRankReadsOnlyItsShardsIntoAPreparedModel) {
+  const std::string model_dir = temp_dir("ckpt_shard_read"), out = temp_dir("ckpt_shard_read_out");
+  struct Net : torch::nn::Module {
+    std::vector<zeal::Sharded<torch::nn::Linear>> blocks;
+    Net() {
+      for (int b = 0; b < 4; ++b) {
+        blocks.push_back(register_module("block" + std::to_string(b),
+                                         zeal::Sharded<torch::nn::Linear>(torch::nn::LinearOptions(256, 256))));
+      }
+    }
+    at::Tensor forward(at::Tensor x) {
+      for (auto& b : blocks) x = torch::tanh(b->forward(x));
+      return x;
+    }
+  };
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Config c = zeal::Config::defaults(false);
+        c.zero.stage = 3;
+        c.zero.stage3_param_persistence_threshold = {0, false};
+        zeal::Engine engine(c, rt);
+        auto model = std::make_shared<Net>();
+        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+        auto [m, o] = engine.prepare(model, opt);
+        engine.save_model(model_dir);
+        {
+          auto g = engine.gathered();
+          if (engine.is_main_process()) write_tensor(out + "/saved", flat_params(*m));
+        }
+        engine.backward(m->forward(at::ones({2, 256})).sum());
+        o.step();
+        const int64_t before = read_bytes_of_process();
+        zeal::load_checkpoint_in_model(*m, model_dir);
+        const int64_t read = read_bytes_of_process() - before;
+        std::ofstream(out + "/read_" + std::to_string(engine.process_index())) << read;
+        auto g = engine.gathered();
+        if (engine.is_main_process()) write_tensor(out + "/reloaded", flat_params(*m));
+      },
+      2);
+  ASSERT_EQ(zeal::describe_failures(results), "");
+  EXPECT_TRUE(at::equal(read_tensor(out + "/saved"), read_tensor(out + "/reloaded")));
+  const auto file = static_cast<double>(fs::file_size(fs::path(model_dir) / "model.safetensors"));
+  for (int r = 0; r < 2; ++r) {
+    std::ifstream f(out + "/read_" + std::to_string(r));
+    int64_t read = 0;
+    f >> read;
+    std::printf("metric load_checkpoint_in_model rank %d read %lld bytes of a %.0f-byte file\n", r,
+                static_cast<long long>(read), file);
+    EXPECT_LT(read, 0.6 * file) << "rank " << r << " read more than its shards";
+    EXPECT_GT(read, 0.4 * file) << "rank " << r;
+  }
+  fs::remove_all(model_dir);
+  fs::remove_all(out);
+}
+
 TEST(CheckpointExport, ConsolidationHoldsLessThanTheModel) {
   const std::string ckpt = temp_dir("ckpt_big"), dst = temp_dir("ckpt_big_out");
   int64_t model_bytes = 0;
