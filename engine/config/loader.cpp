@@ -293,7 +293,10 @@ class Loader {
       error(location(file, ds_file), "deepspeed_config.deepspeed_config_file", "expected a file path");
       return;
     }
+    // Accelerate's rule: beside a DeepSpeed file it refuses exactly the inline keys its
+    // _deepspeed_config_checks lists; zero3_init_flag is not among them (it applies with the file).
     for (const auto& [k, name] : inline_keys) {
+      if (name == "zero3_init_flag") continue;
       error(location(file, k), "deepspeed_config." + name,
             "cannot be set inline together with deepspeed_config_file; set it in " + ds_file.Scalar());
     }

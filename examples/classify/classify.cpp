@@ -23,6 +23,7 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "examples/common/flags.h"
 #include "examples/classify/reviews.h"
 
 namespace {
@@ -79,16 +80,17 @@ int main(int argc, char** argv) {
   int64_t train_size = 4000, valid_size = 500, batch = 32, epochs = 3, dim = 64, layers = 2, log_every = 20;
   double lr = 1e-3;
   uint64_t seed = 42;
-  app.add_option("--train_size", train_size, "training reviews")->capture_default_str();
-  app.add_option("--valid_size", valid_size, "held-out reviews")->capture_default_str();
-  app.add_option("--batch_size", batch, "reviews per rank per step")->capture_default_str();
-  app.add_option("--epochs", epochs)->capture_default_str();
-  app.add_option("--lr", lr)->capture_default_str();
-  app.add_option("--dim", dim, "model width")->capture_default_str();
-  app.add_option("--layers", layers, "encoder layers")->capture_default_str();
-  app.add_option("--log_every", log_every, "steps between loss lines")->capture_default_str();
+  using zeal_examples::at_least_one;
+  app.add_option("--train_size", train_size, "training reviews")->capture_default_str()->check(at_least_one());
+  app.add_option("--valid_size", valid_size, "held-out reviews")->capture_default_str()->check(at_least_one());
+  app.add_option("--batch_size", batch, "reviews per rank per step")->capture_default_str()->check(at_least_one());
+  app.add_option("--epochs", epochs)->capture_default_str()->check(at_least_one());
+  app.add_option("--lr", lr)->capture_default_str()->check(zeal_examples::positive_finite());
+  app.add_option("--dim", dim, "model width")->capture_default_str()->check(at_least_one());
+  app.add_option("--layers", layers, "encoder layers")->capture_default_str()->check(at_least_one());
+  app.add_option("--log_every", log_every, "steps between loss lines")->capture_default_str()->check(at_least_one());
   app.add_option("--seed", seed)->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  if (auto code = zeal_examples::parse_flags(app, argc, argv, "classify")) return *code;
 
   try {
     zeal::Engine engine(zeal::Config::from_env_or_file(argc, argv));

@@ -28,6 +28,7 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "examples/common/flags.h"
 #include "examples/models/gpt.h"
 
 namespace {
@@ -78,21 +79,26 @@ int main(int argc, char** argv) {
     presets += fmt::format("{}{} ({:.0f} M)", presets.empty() ? "" : ", ", p.name, p.num_parameters() / 1e6);
   }
   app.add_option("--model", preset, "model preset: " + presets)->capture_default_str();
-  app.add_option("--steps", steps, "optimizer steps")->capture_default_str();
-  app.add_option("--seq_len", seq_len, "tokens per sample")->capture_default_str();
-  app.add_option("--micro_batch", micro_batch, "samples per rank per micro-step")->capture_default_str();
+  app.add_option("--steps", steps, "optimizer steps")->capture_default_str()->check(zeal_examples::at_least_one());
+  app.add_option("--seq_len", seq_len, "tokens per sample")->capture_default_str()->check(zeal_examples::at_least_one());
+  app.add_option("--micro_batch", micro_batch, "samples per rank per micro-step")
+      ->capture_default_str()
+      ->check(zeal_examples::at_least_one());
   app.add_option("--data", data, "token files (llm.c .bin, or bytes); none: random tokens");
   app.add_option("--log_jsonl", log_jsonl, "write one JSON line per step here (rank 0)");
-  app.add_option("--log_every", log_every, "steps between printed lines")->capture_default_str();
-  app.add_option("--lr", lr)->capture_default_str();
-  app.add_option("--weight_decay", weight_decay)->capture_default_str();
+  app.add_option("--log_every", log_every, "steps between printed lines")
+      ->capture_default_str()
+      ->check(zeal_examples::at_least_one());
+  app.add_option("--lr", lr)->capture_default_str()->check(zeal_examples::positive_finite());
+  app.add_option("--weight_decay", weight_decay)->capture_default_str()->check(zeal_examples::non_negative_finite());
   app.add_option("--seed", seed)->capture_default_str();
   std::string save_dir, resume;
   int64_t save_every = 0;
   app.add_option("--save_dir", save_dir, "save checkpoints here (D/step_<k>, D/latest)");
-  app.add_option("--save_every", save_every, "steps between checkpoints (0: after the last step only)");
+  app.add_option("--save_every", save_every, "steps between checkpoints (0: after the last step only)")
+      ->check(zeal_examples::non_negative());
   app.add_option("--resume", resume, "continue from this checkpoint (or the one its latest names)");
-  CLI11_PARSE(app, argc, argv);
+  if (auto code = zeal_examples::parse_flags(app, argc, argv, "train_gpt")) return *code;
   // What CLI11 left must be the engine's: --config_file or a config override flag.
   for (const auto& extra : app.remaining()) {
     if (extra.rfind("--", 0) != 0) continue;
@@ -105,17 +111,20 @@ int main(int argc, char** argv) {
     }
   }
 
+  // The flags that depend on each other: wrong ones end here too, with exit code 2.
+  zeal::models::GptConfig cfg;
   try {
-    zeal::models::GptConfig cfg;
-    try {
-      cfg = zeal::models::gpt_preset(preset);
-    } catch (const std::invalid_argument& e) {
-      throw zeal::Error(fmt::format("--model: {}", e.what()));
-    }
-    if (seq_len < 1 || seq_len > cfg.context) {
-      throw zeal::Error(fmt::format("--seq_len {} must be in 1..{} (the {} preset's context)", seq_len, cfg.context,
-                                    cfg.name));
-    }
+    cfg = zeal::models::gpt_preset(preset);
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "train_gpt: --model: " << e.what() << "\n";
+    return 2;
+  }
+  if (seq_len < 1 || seq_len > cfg.context) {
+    std::cerr << fmt::format("train_gpt: --seq_len {} must be in 1..{} (the {} preset's context)\n", seq_len, cfg.context,
+                             cfg.name);
+    return 2;
+  }
+  try {
     zeal::Engine engine(zeal::Config::from_env_or_file(argc, argv));
     std::vector<int64_t> tokens;
     for (const auto& path : data) {
@@ -201,7 +210,7 @@ int main(int argc, char** argv) {
                              step, loss, engine.last_grad_norm(), seconds, tokens_per_s,
                              engine.optimizer_step_was_skipped() ? "true" : "false", mem.model_states(),
                              mem.gathered_peak, mem.offload_host, mem.offload_disk);
-        jsonl.flush();
+        if (!jsonl.flush()) throw zeal::Error(fmt::format("--log_jsonl: writing {} failed (disk full?)", log_jsonl));
       }
       if (step % log_every == 0 || step + 1 == steps) {
         engine.print(fmt::format("step {:>5}/{}: loss {:.4f}, {:.0f} tokens/s, {:.2f} s/step, model states {}{}",

@@ -2,6 +2,8 @@
 // and what is allowed (never a crash, never a silent default).
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -143,6 +145,20 @@ TEST(MalformedConfig, EveryProblemInAFileIsReportedAtOnce) {
   } catch (const zeal::ConfigError& e) {
     EXPECT_EQ(e.problems().size(), 3u) << e.what();
   }
+}
+
+// Accelerate accepts zero3_init_flag inline beside deepspeed_config_file (it is not in its
+// _deepspeed_config_checks list); zeal does too and applies it with the file's settings.
+TEST(DeepSpeedFile, Zero3InitFlagInlineBesideTheFileIsAccepted) {
+  const std::string dir = ::testing::TempDir();
+  { std::ofstream(dir + "/zeal_ds.json") << R"({"zero_optimization": {"stage": 3}})"; }
+  { std::ofstream(dir + "/zeal_acc.yaml") << "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: "
+                                        << dir << "/zeal_ds.json\n  zero3_init_flag: true\n"; }
+  const zeal::Config c = zeal::Config::load(dir + "/zeal_acc.yaml", false);
+  EXPECT_TRUE(c.zero.zero3_init_flag);
+  EXPECT_EQ(c.zero.stage, 3);
+  std::remove((dir + "/zeal_ds.json").c_str());
+  std::remove((dir + "/zeal_acc.yaml").c_str());
 }
 
 TEST(MalformedConfig, MissingFileIsNamed) {

@@ -1,0 +1,65 @@
+// Command-line flags of the example programs: every number checked where it enters, and one exit
+// code (2) for any flag that is wrong, with the flag named.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+namespace zeal_examples {
+
+// At least 1 (steps, batch sizes, lengths, intervals).
+inline CLI::Validator at_least_one() {
+  return CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max(), "at least 1");
+}
+// 0 or more.
+inline CLI::Validator non_negative() {
+  return CLI::Range(int64_t{0}, std::numeric_limits<int64_t>::max(), "0 or more");
+}
+// A finite number above 0 (learning rates): not nan, not inf.
+inline CLI::Validator positive_finite() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(s, v) || !std::isfinite(v) || v <= 0) {
+          return "must be a finite number above 0, got " + s;
+        }
+        return {};
+      },
+      "POSITIVE");
+}
+// A finite number, 0 or more (weight decay).
+inline CLI::Validator non_negative_finite() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(s, v) || !std::isfinite(v) || v < 0) {
+          return "must be a finite number, 0 or more, got " + s;
+        }
+        return {};
+      },
+      "NONNEGATIVE");
+}
+
+// Parses the flags. Returns the exit code when the program should end now: 0 after --help, 2 for a
+// flag that is wrong (its message, naming the flag, on stderr).
+inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv, const char* program) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "%s: %s (see --help)\n", program, e.what());
+    return 2;
+  }
+  return std::nullopt;
+}
+
+}  // namespace zeal_examples
