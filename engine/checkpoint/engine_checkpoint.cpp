@@ -127,6 +127,16 @@ std::vector<std::string> all_strings(Engine& e, const std::string& text) {
   return out;
 }
 
+// Every rank's error (empty: none) to every rank, as "\n  rank k: …" lines (empty: none failed).
+// Collective.
+std::string agreed_failures(Engine& e, const std::string& error) {
+  std::string failed;
+  const auto errors = all_strings(e, error);
+  for (size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) failed += fmt::format("\n  rank {}: {}", r, errors[r]);
+  return failed;
+}
+
 // What one rank writes into its file, in order.
 struct FilePlan {
   struct Item {
@@ -377,10 +387,7 @@ void Engine::wait_for_save() {
   std::string mine;
   if (state_->saving.valid()) mine = state_->saving.get();
   if (state_->cleanup.valid()) state_->cleanup.wait();
-  const auto errors = all_strings(*this, mine);
-  std::string failed;
-  for (size_t r = 0; r < errors.size(); ++r)
-    if (!errors[r].empty()) failed += fmt::format("\n  rank {}: {}", r, errors[r]);
+  const std::string failed = agreed_failures(*this, mine);
   if (!failed.empty()) {
     throw Error(fmt::format("save_state (asynchronous): {} was not saved (the previous checkpoint, if any, is "
                             "unchanged):{}",
@@ -583,10 +590,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
   z.end_state_access(/*changed=*/false);
   if (options.async) {
     // Every rank's snapshot must have succeeded; the rest is the background's (wait_for_save).
-    const auto errors = all_strings(*this, mine.value("error", ""));
-    std::string failed;
-    for (size_t r = 0; r < errors.size(); ++r)
-      if (!errors[r].empty()) failed += fmt::format("\n  rank {}: {}", r, errors[r]);
+    const std::string failed = agreed_failures(*this, mine.value("error", ""));
     if (!failed.empty()) {
       if (staging) staging->cancel("another rank failed");
       if (background.valid()) background.wait();
@@ -750,10 +754,7 @@ void Engine::load_state(const std::string& dir_arg) {
     error = e.what();
   }
   // Nothing changes unless every rank read and checked everything it needs.
-  std::string failed;
-  const auto errors = all_strings(*this, error);
-  for (size_t r = 0; r < errors.size(); ++r)
-    if (!errors[r].empty()) failed += fmt::format("\n  rank {}: {}", r, errors[r]);
+  const std::string failed = agreed_failures(*this, error);
   if (!failed.empty()) {
     z.end_state_access(/*changed=*/false);
     throw Error(fmt::format("load_state: {}: nothing was changed:{}", dir.string(), failed));
@@ -1002,10 +1003,7 @@ bool Engine::load_weights_sharded(const std::string& dir) {
   } catch (const std::exception& e) {
     error = e.what();
   }
-  std::string failed;
-  const auto errors = all_strings(*this, error);
-  for (size_t r = 0; r < errors.size(); ++r)
-    if (!errors[r].empty()) failed += fmt::format("\n  rank {}: {}", r, errors[r]);
+  const std::string failed = agreed_failures(*this, error);
   if (!failed.empty()) {
     z.end_state_access(/*changed=*/false);
     throw Error(fmt::format("load_checkpoint_in_model: {}: nothing was changed:{}", dir, failed));
