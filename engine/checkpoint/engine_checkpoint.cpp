@@ -340,8 +340,10 @@ std::vector<fs::path> complete_checkpoint(const fs::path& dir, const fs::path& t
   fs::rename(tmp, dir);
   fsync_path(parent);
   maybe_die("latest", 0);
-  write_file_synced(parent / ".latest.partial", dir.filename().string() + "\n");
-  fs::rename(parent / ".latest.partial", parent / "latest");
+  // A name of this process's own: two runs saving into one parent never take each other's file.
+  const fs::path pointer = parent / fmt::format(".latest.{}.partial", ::getpid());
+  write_file_synced(pointer, dir.filename().string() + "\n");
+  fs::rename(pointer, parent / "latest");
   fsync_path(parent);
   if (automatic && total_limit > 0) {
     std::vector<std::pair<int64_t, fs::path>> found;
