@@ -391,7 +391,7 @@ class Engine {
   void finish_prepare();
   void finish_background_save() noexcept;
   friend int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir);
-  bool load_weights_sharded(const std::string& dir);
+  int64_t load_weights_sharded(const std::string& dir);  // -1: not prepared with its optimizer
   void build_zero();
   void begin_micro_step();
   void scheduler_step(int index);

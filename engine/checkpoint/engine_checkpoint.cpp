@@ -949,7 +949,9 @@ int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& di
     auto it = prepared_modules.find(&model);
     if (it != prepared_modules.end()) engine = it->second;
   }
-  if (engine && engine->load_weights_sharded(dir)) return static_cast<int64_t>(model.named_parameters(true).size());
+  if (engine) {
+    if (const int64_t n = engine->load_weights_sharded(dir); n >= 0) return n;
+  }
   HfWeights w{fs::path(dir)};
   struct Target {
     std::string name;
@@ -975,8 +977,8 @@ int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& di
   return static_cast<int64_t>(targets.size());
 }
 
-bool Engine::load_weights_sharded(const std::string& dir) {
-  if (!state_->zero) return false;  // not prepared with its optimizer: the parameters are whole
+int64_t Engine::load_weights_sharded(const std::string& dir) {
+  if (!state_->zero) return -1;  // not prepared with its optimizer: the parameters are whole
   wait_for_save();
   zero::Sharding& z = *state_->zero;
   std::vector<zero::StateRange> ranges;
@@ -1025,7 +1027,11 @@ bool Engine::load_weights_sharded(const std::string& dir) {
   }
   loaded.clear();
   z.end_state_access(/*changed=*/true);
-  return true;
+  // Tensors read, counted as the unprepared path counts them: each parameter once, and the buffers.
+  std::unordered_set<const void*> seen;
+  int64_t n = static_cast<int64_t>(buffers.size());
+  for (const auto& p : state_->module->parameters(true)) n += seen.insert(p.unsafeGetTensorImpl()).second ? 1 : 0;
+  return n;
 }
 
 void Engine::register_for_checkpointing(std::shared_ptr<Checkpointable> object) {

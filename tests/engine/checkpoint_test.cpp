@@ -626,8 +626,11 @@ TEST(CheckpointExport, EachRankReadsOnlyItsShardsIntoAPreparedModel) {
         engine.backward(m->forward(at::ones({2, 256})).sum());
         o.step();
         const int64_t before = read_bytes_of_process();
-        zeal::load_checkpoint_in_model(*m, model_dir);
+        const int64_t tensors = zeal::load_checkpoint_in_model(*m, model_dir);
         const int64_t read = read_bytes_of_process() - before;
+        if (tensors != static_cast<int64_t>(model->named_parameters().size())) {
+          throw zeal::Error("load_checkpoint_in_model counted " + std::to_string(tensors) + " tensors");
+        }
         std::ofstream(out + "/read_" + std::to_string(engine.process_index())) << read;
         auto g = engine.gathered();
         if (engine.is_main_process()) write_tensor(out + "/reloaded", flat_params(*m));
