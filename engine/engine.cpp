@@ -120,6 +120,7 @@ Engine::Engine(Config config, Runtime& runtime)
 Engine::~Engine() {
   finish_background_save();
   if (state_ && state_->module) remember_prepared(state_->module.get(), nullptr);
+  if (state_ && state_->init_module) remember_prepared(state_->init_module, nullptr);
 }
 
 void Engine::init() {
@@ -199,6 +200,10 @@ void Engine::InitScope::finish(torch::nn::Module& model) {
     e_->state_->init_shards = std::move(shards);
   }
   e_->state_->init_done = true;
+  // load_pretrained / load_checkpoint_in_model find this engine (and the slices) from the model.
+  if (e_->state_->init_module && e_->state_->init_module != &model) remember_prepared(e_->state_->init_module, nullptr);
+  e_->state_->init_module = &model;
+  remember_prepared(&model, e_);
 }
 
 void Engine::prepare_module(std::shared_ptr<torch::nn::Module> module) {

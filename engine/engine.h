@@ -28,6 +28,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -101,6 +102,48 @@ struct SaveModelOptions {
 // shards under stage 3), and the fp32 master weights take the values too; the optimizer's state
 // stays. Returns the number of tensors read.
 int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir);
+
+// zeal::load_pretrained's options and report.
+struct PretrainedOptions {
+  // Explicit renames, model name prefix → file name prefix, tried before anything else
+  // ({"encoder.", "bert.encoder."}); the first that applies wins.
+  std::vector<std::pair<std::string, std::string>> rename;
+  // Every parameter must come from the file (default: parameters the file lacks keep their values
+  // and are listed, as transformers' "Some weights ... were not initialized" does).
+  bool strict = false;
+  bool quiet = false;  // no warning lines on the main process
+};
+struct PretrainedReport {
+  int64_t loaded = 0;                // tensors read (parameters once, and buffers)
+  std::vector<std::string> missing;  // model parameters the file does not have
+  std::vector<std::string> unused;   // file tensors no parameter or buffer took
+  std::string model_prefix, file_prefix;  // the prefix dropped from model names / added for the file
+};
+// Hugging Face weights into a LibTorch model: `path` is a directory with model.safetensors (or
+// model.safetensors.index.json and its files) or one .safetensors file. Names map as Hugging Face
+// names modules: zeal::Sharded's "block" level is left out ("encoder.layer.0.block.attention..."
+// reads "encoder.layer.0.attention..."), and a prefix one side has and the other lacks ("bert." of a
+// BertForSequenceClassification file, say) is found from the names and dropped. Shapes must match;
+// dtypes convert. For a model built by engine.init (stage 3, partitioned) or prepared by an engine,
+// every rank calls it (collective) and reads only the byte ranges of the elements it holds.
+// zeal::Error naming the file and tensor on a shape mismatch, a truncated file, or when no
+// parameter matched; nothing changes then.
+PretrainedReport load_pretrained(torch::nn::Module& model, const std::string& path, const PretrainedOptions& options = {});
+template <class Holder>
+  requires requires(const Holder& h) { h.ptr(); }
+PretrainedReport load_pretrained(const Holder& model, const std::string& path, const PretrainedOptions& options = {}) {
+  return load_pretrained(*model.ptr(), path, options);
+}
+
+namespace detail {
+// Reads tensors into `model` by a name map: model name → the file's name ("" leaves it alone). `path`:
+// a directory as load_checkpoint_in_model takes or a .safetensors file. Every mapped name must be
+// in the file. Collective for an init-built or prepared model (each rank reads what it holds).
+int64_t load_mapped(torch::nn::Module& model, const std::string& path,
+                    const std::function<std::string(const std::string&)>& map);
+// The tensor names in `path` (as load_mapped takes it).
+std::vector<std::string> tensor_names(const std::string& path);
+}  // namespace detail
 
 // engine.save_state's options.
 struct SaveStateOptions {
@@ -391,7 +434,11 @@ class Engine {
   void finish_prepare();
   void finish_background_save() noexcept;
   friend int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir);
-  int64_t load_weights_sharded(const std::string& dir);  // -1: not prepared with its optimizer
+  friend int64_t detail::load_mapped(torch::nn::Module& model, const std::string& path,
+                                     const std::function<std::string(const std::string&)>& map);
+  // Each rank reads its elements (prepared model or engine.init's slices); -1: whole reads needed.
+  int64_t load_weights_sharded(torch::nn::Module& model, const std::string& path,
+                               const std::function<std::string(const std::string&)>& map);
   void build_zero();
   void begin_micro_step();
   void scheduler_step(int index);

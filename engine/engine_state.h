@@ -52,6 +52,7 @@ struct Engine::State {
   std::shared_ptr<zero::InitShards> init_shards;
   zero::InitReport init_report;
   bool init_done = false;
+  const torch::nn::Module* init_module = nullptr;  // the model engine.init built (load_pretrained finds us by it)
   CudaBackend cuda_backend = CudaBackend::kNccl;  // which communicator carries CUDA tensors
   std::shared_ptr<offload::HostArena> offload;     // offload_optimizer.device cpu or nvme
   std::shared_ptr<zero::NvmeOffload> nvme;         // offload_optimizer.device nvme

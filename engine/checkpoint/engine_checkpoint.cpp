@@ -863,14 +863,18 @@ std::vector<std::string> Engine::save_model(const std::string& dir, const SaveMo
 
 namespace {
 
-// Hugging Face-style weights in a directory: which file holds each tensor, and where.
+// Hugging Face-style weights: a directory (model.safetensors, or an index and its files) or one
+// .safetensors file: which file holds each tensor, and where.
 struct HfWeights {
   fs::path dir;
   std::map<std::string, std::string> where;
   std::map<std::string, ckpt::SafetensorsHeader> headers;
 
   explicit HfWeights(const fs::path& d) : dir(d) {
-    if (fs::exists(d / "model.safetensors.index.json")) {
+    if (fs::is_regular_file(d)) {
+      dir = d.parent_path();
+      for (const auto& [name, e] : ckpt::read_safetensors_header(d.string()).tensors) where[name] = d.filename().string();
+    } else if (fs::exists(d / "model.safetensors.index.json")) {
       json idx;
       try {
         idx = json::parse(std::ifstream(d / "model.safetensors.index.json"));
@@ -878,33 +882,33 @@ struct HfWeights {
           where[it.key()] = it.value().get<std::string>();
         }
       } catch (const json::exception& e) {
-        throw Error(fmt::format("load_checkpoint_in_model: {} is not a valid index ({})",
-                                (d / "model.safetensors.index.json").string(), e.what()));
+        throw Error(fmt::format("{} is not a valid index ({})", (d / "model.safetensors.index.json").string(), e.what()));
       }
     } else if (fs::exists(d / "model.safetensors")) {
       for (const auto& [name, e] : ckpt::read_safetensors_header((d / "model.safetensors").string()).tensors) {
         where[name] = "model.safetensors";
       }
+    } else if (!fs::exists(d)) {
+      throw Error(fmt::format("{} does not exist", d.string()));
     } else {
-      throw Error(fmt::format("load_checkpoint_in_model: {} has neither model.safetensors nor "
-                              "model.safetensors.index.json",
-                              d.string()));
+      throw Error(fmt::format("{} has neither model.safetensors nor model.safetensors.index.json", d.string()));
     }
   }
   bool has(const std::string& name) const { return where.count(name) > 0; }
-  // The tensor `name`, checked against the model's shape.
-  std::pair<fs::path, ckpt::TensorEntry> entry(const std::string& name, const std::vector<int64_t>& shape) {
+  // The tensor `name`, checked against the model's shape (`model_name` in messages).
+  std::pair<fs::path, ckpt::TensorEntry> entry(const std::string& name, const std::vector<int64_t>& shape,
+                                               const std::string& model_name = "") {
     auto w = where.find(name);
-    if (w == where.end()) throw Error(fmt::format("load_checkpoint_in_model: {} has no tensor '{}'", dir.string(), name));
+    if (w == where.end()) throw Error(fmt::format("{} has no tensor '{}'", dir.string(), name));
     if (!headers.count(w->second)) headers[w->second] = ckpt::read_safetensors_header((dir / w->second).string());
     auto e = headers[w->second].tensors.find(name);
     if (e == headers[w->second].tensors.end()) {
-      throw Error(fmt::format("load_checkpoint_in_model: {} has no tensor '{}' (its index says it has)",
-                              (dir / w->second).string(), name));
+      throw Error(fmt::format("{} has no tensor '{}' (its index says it has)", (dir / w->second).string(), name));
     }
     if (e->second.shape != shape) {
-      throw Error(fmt::format("load_checkpoint_in_model: '{}' is {} in {} and {} in the model", name,
-                              json(e->second.shape).dump(), w->second, json(shape).dump()));
+      const std::string as = model_name.empty() || model_name == name ? "" : fmt::format(" (the model's '{}')", model_name);
+      throw Error(fmt::format("'{}'{} is {} in {} and {} in the model", name, as, json(e->second.shape).dump(),
+                              w->second, json(shape).dump()));
     }
     return {dir / w->second, e->second};
   }
@@ -915,14 +919,14 @@ at::Tensor read_elements(const fs::path& file, const ckpt::TensorEntry& e, int64
   const int64_t es = ckpt::dtype_size(e.dtype);
   at::Tensor t = at::empty({count}, at::TensorOptions().dtype(at_dtype(e.dtype)));
   const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(fmt::format("load_checkpoint_in_model: cannot open {}: {}", file.string(), std::strerror(errno)));
+  if (fd < 0) throw Error(fmt::format("cannot open {}: {}", file.string(), std::strerror(errno)));
   char* out = static_cast<char*>(t.data_ptr());
   for (int64_t got = 0, n = count * es; got < n;) {
     const ssize_t r = ::pread(fd, out + got, static_cast<size_t>(n - got), e.offset + begin * es + got);
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) {
       ::close(fd);
-      throw Error(fmt::format("load_checkpoint_in_model: {} is truncated (tensor '{}')", file.string(), e.name));
+      throw Error(fmt::format("{} is truncated (tensor '{}')", file.string(), e.name));
     }
     got += r;
   }
@@ -942,7 +946,10 @@ void remember_prepared(const torch::nn::Module* module, Engine* engine) {
   else prepared_modules.erase(module);
 }
 
-int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir) {
+namespace detail {
+
+int64_t load_mapped(torch::nn::Module& model, const std::string& path,
+                    const std::function<std::string(const std::string&)>& map) {
   Engine* engine = nullptr;
   {
     std::lock_guard<std::mutex> lock(prepared_mu);
@@ -950,35 +957,98 @@ int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& di
     if (it != prepared_modules.end()) engine = it->second;
   }
   if (engine) {
-    if (const int64_t n = engine->load_weights_sharded(dir); n >= 0) return n;
+    if (const int64_t n = engine->load_weights_sharded(model, path, map); n >= 0) return n;
   }
-  HfWeights w{fs::path(dir)};
+  HfWeights w{fs::path(path)};
   struct Target {
-    std::string name;
+    std::string name, file_name;
     at::Tensor t;
   };
   std::vector<Target> targets;
   std::unordered_set<const void*> seen;
-  for (const auto& item : model.named_parameters(true))
-    if (seen.insert(item.value().unsafeGetTensorImpl()).second) targets.push_back({item.key(), item.value()});
+  for (const auto& item : model.named_parameters(true)) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    std::string f = map(item.key());
+    if (!f.empty()) targets.push_back({item.key(), std::move(f), item.value()});
+  }
   for (const auto& item : model.named_buffers(true)) {
-    if (w.has(item.key()) && seen.insert(item.value().unsafeGetTensorImpl()).second) {
-      targets.push_back({item.key(), item.value()});
+    std::string f = map(item.key());
+    if (!f.empty() && w.has(f) && seen.insert(item.value().unsafeGetTensorImpl()).second) {
+      targets.push_back({item.key(), std::move(f), item.value()});
     }
   }
   // Every name and shape first: nothing changes when one is wrong (the headers' check also says
   // every tensor lies inside its file).
-  for (const auto& t : targets) (void)w.entry(t.name, t.t.sizes().vec());
+  for (const auto& t : targets) (void)w.entry(t.file_name, t.t.sizes().vec(), t.name);
   c10::NoGradGuard no_grad;
   for (const auto& t : targets) {
-    const auto [file, e] = w.entry(t.name, t.t.sizes().vec());
+    const auto [file, e] = w.entry(t.file_name, t.t.sizes().vec(), t.name);
     t.t.copy_(read_elements(file, e, 0, t.t.numel()).view(t.t.sizes()));
   }
   return static_cast<int64_t>(targets.size());
 }
 
-int64_t Engine::load_weights_sharded(const std::string& dir) {
-  if (!state_->zero) return -1;  // not prepared with its optimizer: the parameters are whole
+std::vector<std::string> tensor_names(const std::string& path) {
+  HfWeights w{fs::path(path)};
+  std::vector<std::string> names;
+  for (const auto& [name, file] : w.where) names.push_back(name);
+  return names;
+}
+
+}  // namespace detail
+
+int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir) {
+  try {
+    return detail::load_mapped(model, dir, [](const std::string& n) { return n; });
+  } catch (const Error& e) {
+    throw Error(std::string("load_checkpoint_in_model: ") + e.what());
+  }
+}
+
+int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string& path,
+                                     const std::function<std::string(const std::string&)>& map) {
+  if (!state_->zero) {
+    // Built by engine.init and not prepared yet: each partitioned parameter's slice is read
+    // (elements [rank·per, rank·per + per) of it), the rest whole. Collective.
+    if (!state_->init_shards || state_->init_shards->empty()) return -1;
+    std::vector<std::pair<at::Tensor, at::Tensor>> reads;  // destination, read
+    std::string error;
+    int64_t n = 0;
+    try {
+      HfWeights w{fs::path(path)};
+      std::unordered_set<const void*> seen;
+      const int64_t rank = process_index();
+      for (const auto& item : model.named_parameters(true)) {
+        if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+        const std::string f = map(item.key());
+        if (f.empty()) continue;
+        const auto [file, e] = w.entry(f, item.value().sizes().vec(), item.key());
+        ++n;
+        if (auto* slice = state_->init_shards->find(item.value())) {
+          const int64_t per = slice->data.numel();
+          const int64_t begin = std::min<int64_t>(rank * per, slice->numel);
+          const int64_t count = std::min<int64_t>(per, slice->numel - begin);
+          if (count > 0) reads.push_back({slice->data.narrow(0, 0, count), read_elements(file, e, begin, count)});
+        } else {
+          reads.push_back({item.value(), read_elements(file, e, 0, item.value().numel()).view(item.value().sizes())});
+        }
+      }
+      for (const auto& item : model.named_buffers(true)) {
+        const std::string f = map(item.key());
+        if (f.empty() || !w.has(f) || !seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+        const auto [file, e] = w.entry(f, item.value().sizes().vec(), item.key());
+        reads.push_back({item.value(), read_elements(file, e, 0, item.value().numel()).view(item.value().sizes())});
+        ++n;
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    const std::string failed = agreed_failures(*this, error);
+    if (!failed.empty()) throw Error(fmt::format("{}: nothing was changed:{}", path, failed));
+    c10::NoGradGuard no_grad;
+    for (auto& [dst, src] : reads) dst.copy_(src);
+    return n;
+  }
   wait_for_save();
   zero::Sharding& z = *state_->zero;
   std::vector<zero::StateRange> ranges;
@@ -987,7 +1057,7 @@ int64_t Engine::load_weights_sharded(const std::string& dir) {
   std::string error;
   try {
     z.begin_state_access();
-    HfWeights w{fs::path(dir)};
+    HfWeights w{fs::path(path)};
     ranges = z.state_ranges(/*to_write=*/false);
     if (z.stage() < 3) {
       for (auto& [name, p] : frozen_params(*state_->module)) {
@@ -996,12 +1066,15 @@ int64_t Engine::load_weights_sharded(const std::string& dir) {
     }
     // Each rank reads only the elements it holds.
     for (const auto& r : ranges) {
-      const auto [file, e] = w.entry(r.name, r.shape);
+      const std::string f = map(r.name);
+      if (f.empty()) continue;
+      const auto [file, e] = w.entry(f, r.shape, r.name);
       loaded.push_back({&r, read_elements(file, e, r.begin, r.count)});
     }
     for (const auto& item : state_->module->named_buffers(true)) {
-      if (!w.has(item.key())) continue;
-      const auto [file, e] = w.entry(item.key(), item.value().sizes().vec());
+      const std::string f = map(item.key());
+      if (f.empty() || !w.has(f)) continue;
+      const auto [file, e] = w.entry(f, item.value().sizes().vec(), item.key());
       buffers.push_back({item.value(), read_elements(file, e, 0, item.value().numel()).view(item.value().sizes())});
     }
   } catch (const std::exception& e) {
@@ -1010,7 +1083,7 @@ int64_t Engine::load_weights_sharded(const std::string& dir) {
   const std::string failed = agreed_failures(*this, error);
   if (!failed.empty()) {
     z.end_state_access(/*changed=*/false);
-    throw Error(fmt::format("load_checkpoint_in_model: {}: nothing was changed:{}", dir, failed));
+    throw Error(fmt::format("{}: nothing was changed:{}", path, failed));
   }
   {
     c10::NoGradGuard no_grad;
@@ -1030,7 +1103,10 @@ int64_t Engine::load_weights_sharded(const std::string& dir) {
   // Tensors read, counted as the unprepared path counts them: each parameter once, and the buffers.
   std::unordered_set<const void*> seen;
   int64_t n = static_cast<int64_t>(buffers.size());
-  for (const auto& p : state_->module->parameters(true)) n += seen.insert(p.unsafeGetTensorImpl()).second ? 1 : 0;
+  for (const auto& item : state_->module->named_parameters(true)) {
+    if (map(item.key()).empty()) continue;
+    n += seen.insert(item.value().unsafeGetTensorImpl()).second ? 1 : 0;
+  }
   return n;
 }
 

@@ -40,6 +40,11 @@ class InitShards {
     int64_t numel = 0;
   };
   bool contains(const at::Tensor& p) const { return slices_.count(p.unsafeGetTensorImpl()) > 0; }
+  // This rank's slice of `p` (elements [rank·per, rank·per + per) of its flat values), or null.
+  Slice* find(const at::Tensor& p) {
+    auto it = slices_.find(p.unsafeGetTensorImpl());
+    return it == slices_.end() ? nullptr : &it->second;
+  }
   bool empty() const { return slices_.empty(); }
   // Gives `p` its full values again (all-gather of the slices, on `device`) and returns true; a
   // no-op returning false for a parameter that was not partitioned. Collective: every rank calls

@@ -1,0 +1,28 @@
+// The adapters of adapted Linear modules, by module: what zeal's LinearImpl::forward looks up.
+#pragma once
+
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+
+#include <memory>
+
+namespace zeal::peft::detail {
+
+struct Slot {
+  std::weak_ptr<torch::nn::Module> owner;  // the adapted Linear (checked, so a reused address never matches)
+  std::shared_ptr<torch::nn::LinearImpl> A, B;
+  std::shared_ptr<torch::nn::DropoutImpl> dropout;  // null when lora_dropout is 0
+  double scaling = 1;
+  bool active = true;
+};
+
+// How many active slots exist (0: every Linear takes LibTorch's path without a lookup).
+int live_slots();
+// The active slot of `linear`, copied into *out; false when it has none.
+bool find_slot(const torch::nn::Module* linear, Slot* out);
+void add_slot(const torch::nn::Module* linear, Slot slot);
+void set_active(const torch::nn::Module* linear, bool active);
+void remove_slot(const torch::nn::Module* linear);
+bool has_slot(const torch::nn::Module* linear);
+
+}  // namespace zeal::peft::detail
