@@ -401,7 +401,11 @@ PeftModel get_peft_model(std::shared_ptr<torch::nn::Module> model, const LoraCon
   for (const auto& m : config.modules_to_save) {
     bool found = false;
     for (const auto& [p, mod] : saved) found = found || matches(p, {m}, "");
-    if (!found) throw Error(fmt::format("get_peft_model: modules_to_save names '{}', which the model does not have", m));
+    // PEFT adds "classifier" and "score" for SEQ_CLS itself and keeps them when they match nothing.
+    const bool peft_default = config.task_type == "SEQ_CLS" && (m == "classifier" || m == "score");
+    if (!found && !peft_default) {
+      throw Error(fmt::format("get_peft_model: modules_to_save names '{}', which the model does not have", m));
+    }
   }
   auto in_saved = [&](const std::string& path) {
     for (const auto& [p, m] : saved) {
@@ -614,7 +618,7 @@ void PeftModel::save_pretrained(const std::string& dir, Engine* engine) const {
     try {
       fs::create_directories(dir);
       std::vector<ckpt::TensorEntry> entries;
-      for (const auto& [k, t] : state) entries.push_back({k, "F32", t.sizes().vec(), t.nbytes(), 0});
+      for (const auto& [k, t] : state) entries.push_back({k, "F32", t.sizes().vec(), static_cast<int64_t>(t.nbytes()), 0});
       const fs::path file = fs::path(dir) / "adapter_model.safetensors";
       const fs::path tmp = file.string() + ".partial";
       {
@@ -632,6 +636,7 @@ void PeftModel::save_pretrained(const std::string& dir, Engine* engine) const {
 }
 
 void PeftModel::load_adapter(const std::string& dir, Engine* engine) {
+  (void)engine;  // the model's engine is found from the model itself (load_mapped)
   if (!model_) throw Error("load_adapter: no model (get_peft_model makes a PeftModel)");
   fs::path file = fs::path(dir);
   if (fs::is_directory(file)) file /= "adapter_model.safetensors";

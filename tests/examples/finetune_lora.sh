@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# build/bin/finetune_lora as the README runs it, made small: 2 ranks, configs/ds_zero3_cpu.yaml
+# unchanged; it must train, save the adapter (Python-loadable names checked by the PEFT cross-check),
+# reload it, merge it, save the merged model, and end with "accuracy: <fraction>" above chance.
+# Skipped (77) without all-MiniLM-L6-v2 (scripts/setup installs it) or without apt-cache.
+set -euo pipefail
+zeal=$1 finetune=$2
+home=${HOME:-$(getent passwd "$(id -u)" | cut -d: -f6)}
+model=${ZEAL_MINILM:-${ZEAL_MODELS:-$home/.cache/zeal/models}/all-MiniLM-L6-v2}
+[ -f "$model/model.safetensors" ] || { echo "SKIP: no all-MiniLM-L6-v2 in $model"; exit 77; }
+command -v apt-cache >/dev/null || { echo "SKIP: no apt-cache to list package descriptions"; exit 77; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+apt-cache dumpavail > "$work/packages.txt"
+out=$("$zeal" launch --num_processes 2 "$finetune" --config_file configs/ds_zero3_cpu.yaml --model_dir "$model" \
+      --data "$work/packages.txt" --out "$work/out" --sections games,science,net --train_per_section 40 \
+      --eval_per_section 20 --epochs 2 --seq_len 32 --batch_size 8 --lr 5e-3 2>&1)
+echo "$out"
+for f in adapter/adapter_model.safetensors adapter/adapter_config.json merged/model.safetensors; do
+  [ -s "$work/out/$f" ] || { echo "FAIL: $f was not written" >&2; exit 1; }
+done
+grep -q "trainable params: .* || all params: .* || trainable%: " <<<"$out" || { echo "FAIL: no PEFT line" >&2; exit 1; }
+acc=$(printf '%s\n' "$out" | tail -n 1 | sed -n 's/^\[rank 0\] accuracy: \([0-9.]*\)$/\1/p')
+[ -n "$acc" ] || { echo "FAIL: the last line is not 'accuracy: <fraction>'" >&2; exit 1; }
+awk -v a="$acc" 'BEGIN { exit !(a > 0.5) }' || { echo "FAIL: accuracy $acc is not above 0.5 (chance: 0.33)" >&2; exit 1; }
+echo "PASS: accuracy $acc"
