@@ -37,6 +37,7 @@
 #include "engine/checkpoint/safetensors.h"
 #include "engine/checkpoint/manifest.h"
 #include "engine/checkpoint/consolidate.h"
+#include "engine/checkpoint/tensor_dtype.h"
 #include "engine/comm/communicator.h"
 #include "engine/engine_state.h"
 #include "engine/error.h"
@@ -48,11 +49,8 @@ namespace zeal {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-namespace {
-
-constexpr int kFormatVersion = 1;
-
-std::string st_dtype(at::ScalarType t) {
+namespace ckpt {
+std::string safetensors_dtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return "F32";
     case at::kBFloat16: return "BF16";
@@ -64,9 +62,15 @@ std::string st_dtype(at::ScalarType t) {
     case at::kChar: return "I8";
     case at::kByte: return "U8";
     case at::kBool: return "BOOL";
-    default: throw Error(fmt::format("checkpoint: no safetensors dtype for {}", c10::toString(t)));
+    default: throw Error(fmt::format("no safetensors dtype for {}", c10::toString(t)));
   }
 }
+}  // namespace ckpt
+
+namespace {
+
+constexpr int kFormatVersion = 1;
+
 
 at::ScalarType at_dtype(const std::string& d) {
   static const std::map<std::string, at::ScalarType> m{
@@ -500,7 +504,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
         for (const auto& s : r.step->state_names()) kinds.push_back(s);
       }
       for (const auto& k : kinds) {
-        const std::string dtype = r.step ? "F32" : st_dtype(r.values.scalar_type());
+        const std::string dtype = r.step ? "F32" : ckpt::safetensors_dtype(r.values.scalar_type());
         plan.entries.push_back({fmt::format("{}/{}/{}", k, r.name, r.begin), dtype, {r.count},
                                 r.count * ckpt::dtype_size(dtype)});
         plan.items.push_back({&r, k});

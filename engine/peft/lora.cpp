@@ -30,6 +30,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "engine/checkpoint/safetensors.h"
+#include "engine/checkpoint/tensor_dtype.h"
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/peft/slots.h"
@@ -160,21 +161,6 @@ void write_file_atomically(const fs::path& path, const std::string& text) {
   fs::rename(tmp, path);
 }
 
-std::string st_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "F32";
-    case at::kBFloat16: return "BF16";
-    case at::kHalf: return "F16";
-    case at::kDouble: return "F64";
-    case at::kLong: return "I64";
-    case at::kInt: return "I32";
-    case at::kShort: return "I16";
-    case at::kChar: return "I8";
-    case at::kByte: return "U8";
-    case at::kBool: return "BOOL";
-    default: throw Error(fmt::format("no safetensors dtype for {}", c10::toString(t)));
-  }
-}
 
 // Writes (name, tensor) pairs as a safetensors file through a temporary name; `fill(i)` gives the
 // i-th tensor's values when its turn comes (so one group can be gathered at a time).
@@ -772,7 +758,7 @@ int64_t PeftModel::save_merged(const std::string& dir, Engine* engine) const {
       fs::create_directories(dir);
       std::vector<ckpt::TensorEntry> entries;
       for (const auto& it : items) {
-        entries.push_back({it.key, st_dtype(it.t.scalar_type()), it.t.sizes().vec(), it.t.numel() * static_cast<int64_t>(it.t.element_size()), 0});
+        entries.push_back({it.key, ckpt::safetensors_dtype(it.t.scalar_type()), it.t.sizes().vec(), it.t.numel() * static_cast<int64_t>(it.t.element_size()), 0});
       }
       w = std::make_unique<ckpt::SafetensorsWriter>(tmp.string(), entries, std::map<std::string, std::string>{{"format", "pt"}});
     } catch (const std::exception& e) {

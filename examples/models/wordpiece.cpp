@@ -267,6 +267,14 @@ std::vector<std::string> WordPieceTokenizer::tokenize(const std::string& text) c
   return out;
 }
 
+void WordPieceTokenizer::pad(Encoding* e, int64_t pad_to) const {
+  while (pad_to > 0 && static_cast<int64_t>(e->ids.size()) < pad_to) {
+    e->ids.push_back(pad_);
+    e->type_ids.push_back(0);
+    e->attention_mask.push_back(0);
+  }
+}
+
 Encoding WordPieceTokenizer::encode(const std::string& text, int64_t max_length, int64_t pad_to) const {
   std::vector<int64_t> a = ids_of(text);
   if (max_length > 0 && static_cast<int64_t>(a.size()) > max_length - 2) a.resize(std::max<int64_t>(0, max_length - 2));
@@ -276,11 +284,7 @@ Encoding WordPieceTokenizer::encode(const std::string& text, int64_t max_length,
   e.ids.push_back(sep_);
   e.type_ids.assign(e.ids.size(), 0);
   e.attention_mask.assign(e.ids.size(), 1);
-  while (pad_to > 0 && static_cast<int64_t>(e.ids.size()) < pad_to) {
-    e.ids.push_back(pad_);
-    e.type_ids.push_back(0);
-    e.attention_mask.push_back(0);
-  }
+  pad(&e, pad_to);
   return e;
 }
 
@@ -301,11 +305,7 @@ Encoding WordPieceTokenizer::encode_pair(const std::string& first, const std::st
   e.ids.push_back(sep_);
   e.type_ids.resize(e.ids.size(), 1);
   e.attention_mask.assign(e.ids.size(), 1);
-  while (pad_to > 0 && static_cast<int64_t>(e.ids.size()) < pad_to) {
-    e.ids.push_back(pad_);
-    e.type_ids.push_back(0);
-    e.attention_mask.push_back(0);
-  }
+  pad(&e, pad_to);
   return e;
 }
 

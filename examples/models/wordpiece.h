@@ -40,6 +40,7 @@ class WordPieceTokenizer {
   std::vector<int64_t> ids_of(const std::string& text) const;
   void wordpiece(const std::u32string& word, std::vector<int64_t>* out) const;
   std::u32string normalize(const std::u32string& text) const;
+  void pad(Encoding* e, int64_t pad_to) const;
 
   std::unordered_map<std::string, int64_t> vocab_;
   std::vector<std::pair<std::string, int64_t>> added_;  // content, id (longest first)

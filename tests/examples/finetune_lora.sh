@@ -12,7 +12,7 @@ command -v apt-cache >/dev/null || { echo "SKIP: no apt-cache to list package de
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 apt-cache dumpavail > "$work/packages.txt"
-out=$("$zeal" launch --num_processes 2 "$finetune" --config_file configs/ds_zero3_cpu.yaml --model_dir "$model" \
+out=$("$zeal" launch --num_processes 2 --main_process_port 29543 "$finetune" --config_file configs/ds_zero3_cpu.yaml --model_dir "$model" \
       --data "$work/packages.txt" --out "$work/out" --sections games,science,net --train_per_section 40 \
       --eval_per_section 20 --epochs 2 --seq_len 32 --batch_size 8 --lr 5e-3 2>&1)
 echo "$out"

@@ -110,10 +110,12 @@ def batch(begin, count):
     return torch.tensor([x.ids for x in e]), torch.tensor([x.attention_mask for x in e]), torch.tensor(labels)
 
 
-def run_zeal(name, nproc, config):
+def run_zeal(name, nproc, config, port):
     out = os.path.join(work, name)
     os.makedirs(out, exist_ok=True)
-    cmd = [zeal_cli, "launch", "--num_processes", str(nproc), tool, "train", model_dir, sent_file, out,
+    # Its own port: other tests launch ranks at the same time.
+    cmd = [zeal_cli, "launch", "--num_processes", str(nproc), "--main_process_port", str(port), tool, "train",
+           model_dir, sent_file, out,
            "--config_file", config]
     subprocess.run(cmd, check=True)
     return out, json.load(open(os.path.join(out, "result.json")))
@@ -126,8 +128,8 @@ def python_model():
     return base
 
 
-z0_dir, z0 = run_zeal("stage0", 1, "configs/single_process.yaml")
-z3_dir, z3 = run_zeal("stage3", 2, "configs/zero3.yaml")
+z0_dir, z0 = run_zeal("stage0", 1, "configs/single_process.yaml", 29541)
+z3_dir, z3 = run_zeal("stage3", 2, "configs/zero3.yaml", 29542)
 
 pm = peft.PeftModel.from_pretrained(python_model(), os.path.join(z0_dir, "initial"), is_trainable=True)
 pm.train()
