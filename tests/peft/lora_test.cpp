@@ -84,6 +84,12 @@ StFile read_st(const std::string& path) {
   return out;
 }
 
+// Inside a spawned rank a gtest assertion stays in the child process: a failed check throws
+// instead, which spawn reports as the rank's failure.
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error("check failed: " + what);
+}
+
 zeal::Config config_for(int stage, bool init = false) {
   zeal::Config c = zeal::Config::defaults(false);
   c.zero.stage = stage;
@@ -393,7 +399,7 @@ TEST(Lora, OperandOrderAndRootLayersDoNotMatterUnderStage3) {
           lc.target_modules = {"a", "b", "head"};
           lc.init_lora_weights = "none";
           auto peft = zeal::peft::get_peft_model(net, lc);
-          EXPECT_EQ(peft.adapted_modules().size(), 7u);
+          require(peft.adapted_modules().size() == 7u, "7 adapted Linear modules");
           torch::optim::AdamW opt(peft.trainable_parameters(), torch::optim::AdamWOptions(1e-2));
           auto [m, o] = engine.prepare(net, opt);
           auto g = at::make_generator<at::CPUGeneratorImpl>(4);
@@ -469,9 +475,10 @@ TEST(Pretrained, HuggingFaceNamesAPrefixAndStage3SlicesLoad) {
           auto clf = init ? engine.init<BertForSequenceClassification>(tiny_bert(), 3) : BertForSequenceClassification(tiny_bert(), 3);
           auto load = [&] {
             const auto report = zeal::load_pretrained(clf, dir + "/base", {.quiet = true});
-            EXPECT_EQ(report.model_prefix, "bert.");
-            EXPECT_EQ(report.missing, (std::vector<std::string>{"classifier.weight", "classifier.bias"}));
-            EXPECT_TRUE(report.unused.empty());
+            require(report.model_prefix == "bert.", "model prefix 'bert.', got '" + report.model_prefix + "'");
+            require(report.missing == std::vector<std::string>{"classifier.weight", "classifier.bias"},
+                    "only the classifier missing");
+            require(report.unused.empty(), "every file tensor used");
           };
           if (!after_prepare) load();
           torch::optim::AdamW opt(clf->parameters(), torch::optim::AdamWOptions(1e-3));
@@ -484,8 +491,8 @@ TEST(Pretrained, HuggingFaceNamesAPrefixAndStage3SlicesLoad) {
             k = k.substr(5);
             const auto at_block = k.find(".block.");
             if (at_block != std::string::npos) k.erase(at_block, 6);
-            ASSERT_TRUE(file.tensors.count(k)) << k;
-            EXPECT_TRUE(at::equal(item.value().detach().to(at::kDouble), file.tensors.at(k))) << k;
+            require(file.tensors.count(k) == 1, k + " in the file");
+            require(at::equal(item.value().detach().to(at::kDouble), file.tensors.at(k)), k + " equals the file's values");
           }
         },
         world);
