@@ -314,8 +314,11 @@ TEST(Lora, EveryStageAndWorldSizeTrainsTheSameAdapters) {
     int stage, world;
     bool init;
   };
-  for (const Run& run : {Run{0, 2, false}, Run{1, 2, false}, Run{2, 3, false}, Run{3, 2, false}, Run{3, 3, true},
-                         Run{3, 1, false}, Run{1, 3, false}, Run{2, 2, false}}) {
+  // Every stage on 1, 2 and 3 ranks (stage 0 on 1 rank is the reference), stage 3 also built
+  // partitioned by engine.init.
+  for (const Run& run : {Run{0, 2, false}, Run{0, 3, false}, Run{1, 1, false}, Run{1, 2, false}, Run{1, 3, false},
+                         Run{2, 1, false}, Run{2, 2, false}, Run{2, 3, false}, Run{3, 1, false}, Run{3, 2, false},
+                         Run{3, 3, false}, Run{3, 3, true}}) {
     SCOPED_TRACE("stage " + std::to_string(run.stage) + ", " + std::to_string(run.world) + " ranks" + (run.init ? ", engine.init" : ""));
     const std::string dir = root + "/s" + std::to_string(run.stage) + "w" + std::to_string(run.world) + (run.init ? "i" : "");
     train_lora(run.stage, run.world, dir, run.init);
@@ -448,6 +451,73 @@ TEST(Lora, SavedAdapterLoadsBackIntoAFreshModel) {
   const at::Tensor before = m3->forward(ids).detach();
   EXPECT_THROW(peft3.load_adapter(dir), zeal::Error);
   EXPECT_TRUE(at::equal(m3->forward(ids), before));
+  fs::remove_all(dir);
+}
+
+// Bytes this process has read through read(2)/pread(2) and friends, as the kernel counts them.
+int64_t bytes_read_by_process() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "rchar:") return value;
+  }
+  throw std::runtime_error("/proc/self/io has no rchar");
+}
+
+// Under stage 3 with engine.init each rank reads its slices of the units' weights, not the file:
+// the kernel's count of bytes read during load_pretrained equals the root's tensors whole plus a
+// 1/world share of every unit tensor, on 2 and 3 ranks.
+TEST(Pretrained, Stage3InitReadsOnlyEachRanksShareOfTheFile) {
+  const std::string dir = temp_dir("slices");
+  BertConfig c = tiny_bert();
+  c.hidden_size = 64;
+  c.intermediate_size = 256;
+  c.num_hidden_layers = 4;
+  at::manual_seed(21);
+  zeal::models::BertModel base(c);
+  {
+    auto root = base.ptr();
+    zeal::peft::LoraConfig lc;
+    lc.target_modules = {"query"};
+    auto p = zeal::peft::get_peft_model(root, lc);
+    p.merge_and_unload();
+    p.save_merged(dir);
+  }
+  const std::string file = dir + "/model.safetensors";
+  const StFile st = read_st(file);
+  int64_t root_bytes = 0, unit_bytes = 0;
+  for (const auto& [k, t] : st.tensors) (k.rfind("encoder.layer.", 0) == 0 ? unit_bytes : root_bytes) += t.numel() * 4;
+  ASSERT_GT(unit_bytes, 8 * root_bytes) << "the units must hold most of the file for the count to tell";
+  for (int world : {2, 3}) {
+    SCOPED_TRACE(std::to_string(world) + " ranks");
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Engine engine(config_for(3, true), rt);
+          auto model = engine.init<zeal::models::BertModel>(c);
+          const int64_t before = bytes_read_by_process();
+          zeal::load_pretrained(model, dir, {.quiet = true});
+          const int64_t got = bytes_read_by_process() - before;
+          // The header (read once per file) and the ranks' agreement messages come on top.
+          const double want = static_cast<double>(root_bytes) + static_cast<double>(unit_bytes) / world;
+          require(std::abs(static_cast<double>(got) - want) <= 0.02 * want + static_cast<double>(st.header_bytes) + 16384,
+                  "rank " + std::to_string(engine.process_index()) + " read " + std::to_string(got) + " bytes of a " +
+                      std::to_string(st.file_bytes) + "-byte file; its share is about " + std::to_string(int64_t(want)));
+          // And they are the right values: gathered, every weight equals the file's.
+          torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+          auto [m, o] = engine.prepare(model, opt);
+          auto g = engine.gathered();
+          for (const auto& item : m->named_parameters()) {
+            std::string k = item.key();
+            const auto at_block = k.find(".block.");
+            if (at_block != std::string::npos) k.erase(at_block, 6);
+            require(st.tensors.count(k) == 1 && at::equal(item.value().detach().to(at::kDouble), st.tensors.at(k)),
+                    k + " equals the file's values");
+          }
+        },
+        world);
+    for (const auto& res : results) EXPECT_TRUE(res.ok()) << "rank " << res.rank << ": " << res.failure;
+  }
   fs::remove_all(dir);
 }
 

@@ -1,0 +1,108 @@
+"""The Python side of lora_bench: all-MiniLM-L6-v2 as Hugging Face transformers'
+BertForSequenceClassification (its default attention, SDPA, as zeal's BERT), fine-tuned on CPU ranks
+over gloo with DistributedDataParallel, fp32, AdamW: with peft's LoRA (--mode lora: query and value,
+the classifier in modules_to_save) or every parameter trained (--mode full), on the token ids and
+labels lora_bench wrote.
+
+Each rank measures what lora_bench measures for zeal: the peak resident memory (VmHWM, reset
+through /proc/self/clear_refs after the imports) above the resident memory before the model is
+loaded, and the wall time of every step (forward, backward, optimizer step, zero_grad). Prints one
+JSON object on stdout: {"ok": true, "step_s": [max over ranks per step], "peak_bytes": max over
+ranks, "trainable": count}, or {"ok": false, "why": "..."} when the peer cannot run here.
+"""
+import argparse, json, os, traceback
+
+
+def rss(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rank_main(rank, args, out_dir):
+    import torch, torch.nn.functional as F, torch.distributed as dist
+    torch.set_num_threads(args.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    result = {"ok": False}
+    try:
+        import transformers, peft
+        transformers.logging.set_verbosity_error()
+        shape = (args.steps + 1, args.world, args.micro_batch)
+        n = shape[0] * shape[1] * shape[2]
+        ids = torch.from_file(args.ids, size=n * args.seq_len, dtype=torch.int64).view(*shape, args.seq_len)
+        labels = torch.from_file(args.labels, size=n, dtype=torch.int64).view(*shape)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = rss("VmRSS")
+        torch.manual_seed(1234)
+        model = transformers.BertForSequenceClassification.from_pretrained(args.model_dir, num_labels=args.num_labels)
+        if args.mode == "lora":
+            cfg = peft.LoraConfig(r=args.r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                  target_modules=["query", "value"], modules_to_save=["classifier"],
+                                  task_type="SEQ_CLS")
+            model = peft.get_peft_model(model, cfg)
+        model.train()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.01)
+        times = []
+        import time
+        for step in range(args.steps + 1):
+            x, y = ids[step, rank], labels[step, rank]
+            t0 = time.perf_counter()
+            logits = ddp(input_ids=x, attention_mask=torch.ones_like(x)).logits
+            loss = F.cross_entropy(logits, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+        result = {"ok": True, "step_s": times[1:], "peak_bytes": rss("VmHWM") - base, "loss": float(loss.detach()),
+                  "trainable": sum(p.numel() for p in trainable)}
+    except Exception as e:  # the peer cannot run here: say why
+        result = {"ok": False, "why": f"{type(e).__name__}: {e}".splitlines()[0][:400],
+                  "trace": traceback.format_exc()[-2000:]}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["lora", "full"], default="lora")
+    p.add_argument("--model_dir", required=True)
+    p.add_argument("--ids", required=True)
+    p.add_argument("--labels", required=True)
+    for name, default in [("world", 2), ("threads", 1), ("steps", 5), ("micro_batch", 8), ("seq_len", 128),
+                          ("num_labels", 5), ("r", 8), ("lora_alpha", 16), ("port", 29621)]:
+        p.add_argument("--" + name, type=int, default=default)
+    p.add_argument("--lora_dropout", type=float, default=0.1)
+    args = p.parse_args()
+    try:
+        import torch, torch.multiprocessing as mp
+        import transformers, peft  # noqa: F401 (fail here, with the reason, when they are missing)
+    except Exception as e:
+        print(json.dumps({"ok": False, "why": f"cannot import torch, transformers and peft: {e} (scripts/peers)"}))
+        return
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(rank_main, args=(args, d), nprocs=args.world, start_method="spawn", join=True)
+        ranks = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(args.world)]
+    bad = [r for r in ranks if not r["ok"]]
+    if bad:
+        print(json.dumps({"ok": False, "why": bad[0]["why"], "trace": bad[0].get("trace", ""),
+                          "torch": torch.__version__}))
+        return
+    steps = [max(r["step_s"][i] for r in ranks) for i in range(args.steps)]
+    print(json.dumps({"ok": True, "step_s": steps, "peak_bytes": max(r["peak_bytes"] for r in ranks),
+                      "loss": ranks[0]["loss"], "trainable": ranks[0]["trainable"], "torch": torch.__version__,
+                      "transformers": transformers.__version__, "peft": peft.__version__}))
+
+
+if __name__ == "__main__":
+    main()
