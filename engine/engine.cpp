@@ -27,6 +27,7 @@
 #include "engine/runtime/device_choice.h"
 #include "engine/runtime/runtime.h"
 #include "engine/zero/host_memory.h"
+#include "engine/memory_tracker.h"
 #include "engine/zero/init.h"
 #include "engine/zero/offload_state.h"
 #include "engine/zero/stage3.h"
@@ -125,6 +126,7 @@ Engine::~Engine() {
 
 void Engine::init() {
   const auto& z = config_.zero;
+  detail::note_runtime_baseline();  // the first engine's start: what every memory report calls the runtime
   try {
     (void)cpu::active_simd();  // a bad ZEAL_CPU_ISA is named now, not at the first step
   } catch (const std::invalid_argument& e) {

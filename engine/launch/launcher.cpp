@@ -132,6 +132,8 @@ class Group {
       env["MASTER_ADDR"] = o_.master_addr;
       env["MASTER_PORT"] = std::to_string(o_.master_port);
       env["ZEAL_LAUNCH"] = "1";
+      // The ranks' output reaches a terminal through this process: a progress bar may redraw.
+      if (terminal_) env["ZEAL_TERMINAL"] = "1";
       env["PYTHONUNBUFFERED"] = "1";
       if (!config_abs.empty()) env["ZEAL_CONFIG_FILE"] = config_abs;
       const CpuBinding* b = l < static_cast<int>(binding.size()) ? &binding[l] : nullptr;
@@ -184,11 +186,35 @@ class Group {
     r.err = {err[0], 2, {}};
   }
 
+  // What a terminal shows after "\r" and an erase-line code: the text a redraw leaves.
+  static std::string after_redraw(const std::string& text) {
+    std::string t = text.substr(text.rfind('\r') == std::string::npos ? 0 : text.rfind('\r') + 1);
+    if (t.rfind("\033[K", 0) == 0) t.erase(0, 3);
+    return t;
+  }
+
   void emit(Rank& r, Stream& s, std::string line) {
+    const bool redrawn = line.find('\r') != std::string::npos;
+    if (redrawn) line = after_redraw(line);
     r.tail.push_back(line);
     if (static_cast<int>(r.tail.size()) > o_.tail_lines) r.tail.pop_front();
     if (o_.quiet_ranks && r.global != 0) return;
+    // A line under a progress bar: the bar is cleared, the line written, the bar drawn again
+    // below it (unless this line is the bar's own last state).
+    if (!bar_.empty()) write_all(1, "\r\033[K");
     write_all(s.out_fd, fmt::format("[rank {}] {}\n", r.global, line));
+    if (redrawn && &s == &r.out && r.global == bar_rank_) bar_.clear();
+    if (!bar_.empty()) write_all(1, bar_);
+  }
+
+  // A rank's unfinished line that redraws itself ("\r…", a progress bar) is shown as it comes.
+  void show_bar(Rank& r, Stream& s) {
+    if (!terminal_ || &s != &r.out || s.partial.find('\r') == std::string::npos) return;
+    if (o_.quiet_ranks && r.global != 0) return;
+    bar_rank_ = r.global;
+    bar_ = fmt::format("\r\033[K[rank {}] {}", r.global, after_redraw(s.partial));
+    write_all(1, bar_);
+    s.partial.erase(0, s.partial.rfind('\r'));  // the text before the last redraw is gone
   }
 
   // Reads what is available; returns false at end of file.
@@ -203,6 +229,7 @@ class Group {
           emit(r, s, s.partial.substr(0, nl));
           s.partial.erase(0, nl + 1);
         }
+        show_bar(r, s);
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
@@ -314,6 +341,7 @@ class Group {
   }
 
   int finish() {
+    if (!bar_.empty()) write_all(1, "\n");  // a bar whose rank ended without its newline
     sigaction(SIGINT, &old_int_, nullptr);
     sigaction(SIGTERM, &old_term_, nullptr);
     sigaction(SIGCHLD, &old_chld_, nullptr);
@@ -338,6 +366,9 @@ class Group {
 
   const LaunchOptions& o_;
   std::vector<Rank> ranks_;
+  const bool terminal_ = isatty(1) != 0;
+  std::string bar_;  // the progress bar on the terminal now (redraw codes included), or empty
+  int bar_rank_ = -1;
   bool stopping_ = false;
   Clock::time_point kill_deadline_{};
   int first_failure_ = -1;

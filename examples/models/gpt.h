@@ -20,31 +20,9 @@
 #include <vector>
 
 #include "engine/zero/sharded.h"
+#include "examples/models/gpt_config.h"
 
 namespace zeal::models {
-
-struct GptConfig {
-  std::string name = "tiny";
-  int64_t vocab = 256, context = 128, layers = 2, dim = 64, heads = 4;
-  // Parameters: embeddings (vocab + context)·dim, per block 12·dim² + 13·dim, final norm 2·dim.
-  int64_t num_parameters() const { return (vocab + context) * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim; }
-};
-
-// tiny (byte-level, for tests), gpt2-small (124 M), gpt2-medium (355 M).
-inline std::vector<GptConfig> gpt_presets() {
-  return {{"tiny", 256, 128, 2, 64, 4},
-          {"gpt2-small", 50257, 1024, 12, 768, 12},
-          {"gpt2-medium", 50257, 1024, 24, 1024, 16}};
-}
-
-inline GptConfig gpt_preset(const std::string& name) {
-  std::string known;
-  for (const auto& p : gpt_presets()) {
-    if (p.name == name) return p;
-    known += (known.empty() ? "" : ", ") + p.name;
-  }
-  throw std::invalid_argument("unknown model preset '" + name + "' (known: " + known + ")");
-}
 
 struct BlockImpl : torch::nn::Module {
   explicit BlockImpl(const GptConfig& c)

@@ -8,7 +8,12 @@
 // count, 1024 header bytes) holds uint16 GPT-2 tokens; any other file is read as bytes (tokens
 // 0-255, which every preset's vocabulary covers). Without --data the tokens are random (timing).
 // Each step every rank reads its own windows of seq_len + 1 tokens at positions drawn from --seed.
-// Rank 0 prints the loss, tokens per second and memory; --log_jsonl writes one JSON line per step.
+// Rank 0 shows a progress bar on a terminal (step, loss, tokens/s, s/step, ETA; under `zeal launch`
+// too) and plain lines every --log_every steps otherwise; --log_jsonl writes one JSON line per step
+// with the resident set and its peak. --eval_every K holds the last tenth of the tokens out and
+// reports the held-out loss every K steps (--eval_batches windows per rank). At the end each phase
+// prints its memory report: PEFT's lines (before, consumed, peak, total peak, in MB, per device)
+// and where the peak went.
 // --save_dir D saves a checkpoint as D/step_<k> every --save_every steps and after the last one;
 // --resume D continues from D (or the checkpoint D/latest names) at the step it was saved after,
 // whatever the world size and config of the run that saved it (the samples of a step depend only
@@ -19,6 +24,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -28,7 +34,9 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "engine/memory_tracker.h"
 #include "examples/common/flags.h"
+#include "examples/common/progress.h"
 #include "examples/models/gpt.h"
 
 namespace {
@@ -92,6 +100,12 @@ int main(int argc, char** argv) {
   app.add_option("--lr", lr)->capture_default_str()->check(zeal_examples::positive_finite());
   app.add_option("--weight_decay", weight_decay)->capture_default_str()->check(zeal_examples::non_negative_finite());
   app.add_option("--seed", seed)->capture_default_str();
+  int64_t eval_every = 0, eval_batches = 4;
+  app.add_option("--eval_every", eval_every, "steps between held-out evaluations (0: none); holds out the last tenth of --data")
+      ->check(zeal_examples::non_negative());
+  app.add_option("--eval_batches", eval_batches, "micro-batches per rank in each evaluation")
+      ->capture_default_str()
+      ->check(zeal_examples::at_least_one());
   std::string save_dir, resume;
   int64_t save_every = 0;
   app.add_option("--save_dir", save_dir, "save checkpoints here (D/step_<k>, D/latest)");
@@ -134,7 +148,16 @@ int main(int argc, char** argv) {
     if (!data.empty() && static_cast<int64_t>(tokens.size()) < seq_len + 2) {
       throw zeal::Error(fmt::format("--data: {} tokens in all, fewer than --seq_len + 2 = {}", tokens.size(), seq_len + 2));
     }
-    const at::Tensor stream = at::tensor(tokens, at::kLong);
+    at::Tensor stream = at::tensor(tokens, at::kLong), held_out;
+    if (eval_every > 0 && stream.numel() > 0) {
+      const int64_t n_eval = stream.numel() / 10;
+      if (n_eval < seq_len + 2 || stream.numel() - n_eval < seq_len + 2) {
+        throw zeal::Error(fmt::format("--eval_every: {} tokens are too few to hold a tenth out for windows of --seq_len {}",
+                                      stream.numel(), seq_len));
+      }
+      held_out = stream.narrow(0, stream.numel() - n_eval, n_eval);
+      stream = stream.narrow(0, 0, stream.numel() - n_eval);
+    }
 
     at::manual_seed(seed);
     auto model = engine.init<zeal::models::Gpt>(cfg);
@@ -173,6 +196,37 @@ int main(int argc, char** argv) {
       engine.print(fmt::format("zeal: resumed from {} after step {}", resume, loop->step));
     }
     const int64_t first_step = loop->step;
+    // Held-out loss: the same windows every time (drawn from --seed), each rank its rows, averaged
+    // over the ranks.
+    std::vector<zeal::PhaseMemory> evals;
+    auto evaluate = [&]() {
+      zeal::MemoryTracker phase(engine, "eval");
+      m->eval();
+      c10::NoGradGuard no_grad;
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 7'000'003 + 1);
+      at::Tensor sum = at::zeros({}, at::TensorOptions(at::kFloat).device(engine.device()));
+      for (int64_t k = 0; k < eval_batches; ++k) {
+        const int64_t rows_n = micro_batch * world;
+        at::Tensor rows;
+        if (held_out.defined()) {
+          at::Tensor starts = at::randint(0, held_out.numel() - seq_len - 1, {rows_n, 1}, gen);
+          rows = held_out.index({starts + at::arange(seq_len + 1).unsqueeze(0)});
+        } else {
+          rows = at::randint(0, cfg.vocab, {rows_n, seq_len + 1}, gen);
+        }
+        rows = rows.narrow(0, engine.process_index() * micro_batch, micro_batch).to(engine.device());
+        auto ac = engine.autocast();
+        sum += m->loss(rows).to(at::kFloat);
+      }
+      m->train();
+      const double loss = engine.reduce(sum, "mean").item<double>() / static_cast<double>(eval_batches);
+      evals.push_back(phase.end(false));
+      return loss;
+    };
+    zeal_examples::ProgressBar bar(steps, engine.is_main_process(), log_every);
+    zeal::MemoryTracker train_phase(engine, "train");
+    double last_eval = std::nan("");
+    const auto run_start = std::chrono::steady_clock::now();
     for (int64_t step = first_step; step < steps; ++step) {
       const auto t0 = std::chrono::steady_clock::now();
       // This step's windows for every rank and micro-step, from the seed: rank r, micro-step k
@@ -203,25 +257,52 @@ int main(int argc, char** argv) {
       const double loss = engine.reduce(loss_sum, "mean").item<double>() / static_cast<double>(accum);
       const double tokens_per_s = static_cast<double>(per_step * seq_len) / seconds;
       const auto mem = engine.memory();
+      const zeal::PhaseMemory so_far = train_phase.now();
+      bool evaluated = false;
+      if (eval_every > 0 && ((step + 1) % eval_every == 0 || step + 1 == steps)) {
+        last_eval = evaluate();
+        evaluated = true;
+        bar.line(fmt::format("step {}/{}: held-out loss {:.4f} (train loss {:.4f})", step + 1, steps, last_eval, loss));
+      }
       if (jsonl.is_open()) {
         jsonl << fmt::format("{{\"step\": {}, \"loss\": {:.6f}, \"grad_norm\": {:.6g}, \"step_s\": {:.4f}, "
                              "\"tokens_per_s\": {:.1f}, \"skipped\": {}, \"model_state_bytes\": {}, "
-                             "\"gathered_peak_bytes\": {}, \"offload_host_bytes\": {}, \"offload_disk_bytes\": {}}}\n",
+                             "\"gathered_peak_bytes\": {}, \"offload_host_bytes\": {}, \"offload_disk_bytes\": {}, "
+                             "\"rss_bytes\": {}, \"peak_rss_bytes\": {}{}{}}}\n",
                              step, loss, engine.last_grad_norm(), seconds, tokens_per_s,
                              engine.optimizer_step_was_skipped() ? "true" : "false", mem.model_states(),
-                             mem.gathered_peak, mem.offload_host, mem.offload_disk);
+                             mem.gathered_peak, mem.offload_host, mem.offload_disk, so_far.cpu.end, so_far.cpu.peak,
+                             so_far.device.measured ? fmt::format(", \"device_peak_bytes\": {}", so_far.device.peak) : "",
+                             evaluated ? fmt::format(", \"eval_loss\": {:.6f}", last_eval) : "");
         if (!jsonl.flush()) throw zeal::Error(fmt::format("--log_jsonl: writing {} failed (disk full?)", log_jsonl));
       }
-      if (step % log_every == 0 || step + 1 == steps) {
-        engine.print(fmt::format("step {:>5}/{}: loss {:.4f}, {:.0f} tokens/s, {:.2f} s/step, model states {}{}",
-                                 step + 1, steps, loss, tokens_per_s, seconds, zeal::format_bytes(mem.model_states()),
-                                 engine.zero_stage() == 3
-                                     ? fmt::format(", gathered peak {}", zeal::format_bytes(mem.gathered_peak))
-                                     : ""));
-      }
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+      const double eta = elapsed / static_cast<double>(step + 1 - first_step) * static_cast<double>(steps - step - 1);
+      bar.update(step + 1, loss, tokens_per_s, seconds, eta,
+                 fmt::format(" | peak RSS {}{}", zeal::format_bytes(static_cast<double>(so_far.cpu.peak)),
+                             engine.zero_stage() == 3 ? fmt::format(", gathered {}", zeal::format_bytes(mem.gathered_peak)) : ""));
       if (!save_dir.empty() && ((save_every > 0 && (step + 1) % save_every == 0) || step + 1 == steps)) {
         loop->step = step + 1;
-        engine.print("zeal: saved ", engine.save_state(fmt::format("{}/step_{}", save_dir, step + 1)));
+        const std::string saved = engine.save_state(fmt::format("{}/step_{}", save_dir, step + 1));
+        bar.line("zeal: saved " + saved);
+      }
+    }
+    bar.finish();
+    const zeal::PhaseMemory train_mem = train_phase.end(false);
+    if (engine.is_main_process()) {
+      for (const auto& l : train_mem.lines()) engine.print(l);
+      if (!evals.empty()) {
+        for (const auto& l : evals.back().lines()) engine.print(l);
+      }
+      std::string parts;
+      for (const auto& p : train_mem.breakdown()) {
+        if (p.bytes == 0) continue;
+        parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", p.name, zeal::format_bytes(static_cast<double>(p.bytes)));
+      }
+      engine.print(fmt::format("zeal: train peak resident set {} (rank 0) = {}", zeal::format_bytes(static_cast<double>(train_mem.cpu.peak)),
+                               parts));
+      if (train_mem.engine.offload_disk > 0) {
+        engine.print(fmt::format("zeal: on disk: {} of optimizer state", zeal::format_bytes(static_cast<double>(train_mem.engine.offload_disk))));
       }
     }
   } catch (const zeal::Error& e) {

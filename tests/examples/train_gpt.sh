@@ -10,8 +10,19 @@ trap 'rm -f "$log" "$config"' EXIT
 sed 's/stage3_param_persistence_threshold: .*/stage3_param_persistence_threshold: 0/' configs/zero3.yaml > "$config"
 ckpt=$(mktemp -d) resumed=$(mktemp)
 trap 'rm -f "$log" "$config" "$resumed"; rm -rf "$ckpt"' EXIT
+out=$(mktemp)
+trap 'rm -f "$log" "$config" "$resumed" "$out"; rm -rf "$ckpt"' EXIT
 "$zeal" launch --num_processes 2 --main_process_port 29533 "$train_gpt" --config_file "$config" --model tiny --steps 40 --seq_len 32 --micro_batch 8 \
-  --data README.md --log_every 10 --log_jsonl "$log" --save_dir "$ckpt" --save_every 10
+  --data README.md --log_every 10 --log_jsonl "$log" --save_dir "$ckpt" --save_every 10 | tee "$out"
+# The memory report: PEFT's four CPU lines for the train phase, whole MB, total = before + peak.
+mb() { sed -n "s/^\[rank 0\] CPU $1 the train $2: \([0-9-]*\)$/\1/p" "$out"; }
+before=$(mb "Memory before entering" "") consumed=$(mb "Memory consumed at the end of" "(end-begin)")
+peak=$(mb "Peak Memory consumed during" "(max-begin)") total=$(mb "Total Peak Memory consumed during" "(max)")
+[ -n "$before" ] && [ -n "$consumed" ] && [ -n "$peak" ] && [ -n "$total" ] && [ "$total" -eq $((before + peak)) ] && [ "$before" -gt 0 ] ||
+  { echo "FAIL: the memory report's lines are missing or inconsistent (before '$before', consumed '$consumed', peak '$peak', total '$total')" >&2; exit 1; }
+# The JSON log's resident set: the peak never falls and is never below the current.
+awk '{ split($0, a, /"rss_bytes": /); split(a[2], r, /[,}]/); split($0, b, /"peak_rss_bytes": /); split(b[2], p, /[,}]/);
+  if (r[1] <= 0 || p[1] < r[1] || p[1] < last) { print "FAIL: line " NR ": rss " r[1] ", peak " p[1] ", previous peak " last > "/dev/stderr"; exit 1 } last = p[1] }' "$log"
 lines=$(wc -l < "$log")
 [ "$lines" -eq 40 ] || { echo "FAIL: $lines JSON lines for 40 steps" >&2; exit 1; }
 first=$(head -n 5 "$log" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END {print s/NR}')
@@ -76,10 +87,17 @@ nvme_run "$cfgdir/ds_zero3_nvme.yaml" "$log"
 disk_blocks=$(disk "$log")
 [ "$disk_blocks" -gt "$disk_shipped" ] || { echo "FAIL: no parameters on disk ($disk_blocks vs $disk_shipped bytes)" >&2; exit 1; }
 echo "PASS: on disk $disk_shipped bytes (optimizer state), $disk_blocks with the blocks' parameters"
+# --eval_every: the held-out loss at steps 5 and 10 in the log, and the eval phase's report.
+"$zeal" launch --num_processes 2 --main_process_port 29537 "$train_gpt" --config_file "$config" --model tiny --steps 10 --seq_len 32 --micro_batch 8 \
+  --data README.md --eval_every 5 --log_jsonl "$resumed" > "$out"
+[ "$(grep -c '"eval_loss": [0-9]' "$resumed")" -eq 2 ] && sed -n 5p "$resumed" | grep -q '"eval_loss"' ||
+  { echo "FAIL: --eval_every 5 over 10 steps did not log two held-out losses at steps 5 and 10" >&2; cat "$resumed" >&2; exit 1; }
+grep -q '^\[rank 0\] CPU Total Peak Memory consumed during the eval (max): [0-9]' "$out" ||
+  { echo "FAIL: no memory report for the eval phase" >&2; cat "$out" >&2; exit 1; }
 if out=$("$train_gpt" --model gpt5 2>&1); then
   echo "FAIL: an unknown preset was accepted" >&2; exit 1
 fi
-printf '%s\n' "$out" | grep -q -- "--model: unknown model preset 'gpt5' (known: tiny, gpt2-small, gpt2-medium)" ||
+printf '%s\n' "$out" | grep -q -- "--model: unknown model preset 'gpt5' (known: tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-1.3b, gpt2-2.7b, gpt2-6.7b)" ||
   { echo "FAIL: unexpected error: $out" >&2; exit 1; }
 if out=$("$train_gpt" --stage3_max_live 5 2>&1); then
   echo "FAIL: an unknown flag was accepted" >&2; exit 1

@@ -1,0 +1,163 @@
+// zeal::MemoryTracker against what the kernel and the test itself know: the seed's lines parsed
+// back, a phase's peak against a tensor of known size touched inside it (the resident set grows by
+// its pages), nested phases each keeping their own peak, the JSON record against the lines, and the
+// breakdown of a training run's peak (stages 0 and 3 on 2 ranks) adding up to the measured peak.
+#include <torch/optim/adamw.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "engine/memory_tracker.h"
+#include "tests/engine/engine_harness.h"
+
+using namespace zeal_test;
+
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+// The resident set as the kernel reports it, read here independently of the tracker.
+int64_t vm_rss() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return -1;
+}
+
+// The seed's lines for `phase` and `label`, parsed: before, consumed, peak, total peak (MB).
+std::vector<int64_t> parse(const std::vector<std::string>& lines, const std::string& label, const std::string& phase) {
+  const std::vector<std::string> forms = {
+      label + " Memory before entering the " + phase + " : (-?[0-9]+)",
+      label + " Memory consumed at the end of the " + phase + " \\(end-begin\\): (-?[0-9]+)",
+      label + " Peak Memory consumed during the " + phase + " \\(max-begin\\): (-?[0-9]+)",
+      label + " Total Peak Memory consumed during the " + phase + " \\(max\\): (-?[0-9]+)"};
+  std::vector<int64_t> out;
+  for (const auto& f : forms) {
+    const std::regex re("^" + f + "$");
+    bool found = false;
+    for (const auto& l : lines) {
+      std::smatch m;
+      if (std::regex_match(l, m, re)) {
+        out.push_back(std::stoll(m[1]));
+        found = true;
+        break;
+      }
+    }
+    EXPECT_TRUE(found) << "no line of the form " << f;
+    if (!found) out.push_back(INT64_MIN);
+  }
+  return out;
+}
+
+zeal::Config cpu_config(int stage) {
+  zeal::Config c = zeal::Config::defaults(false);
+  c.zero.stage = stage;
+  c.zero.stage3_param_persistence_threshold = {0, false};  // every unit partitioned
+  return c;
+}
+
+}  // namespace
+
+// 256 MiB touched inside the phase and freed before its end: the peak line says at least that much
+// above the beginning, the end about nothing; the total peak is before + peak, as PEFT prints it.
+TEST(MemoryTracker, LinesInTheSeedsFormatMeasureATensorOfKnownSize) {
+  zeal::Engine engine(cpu_config(0));
+  const int64_t rss0 = vm_rss();
+  zeal::MemoryTracker phase(engine, "train");
+  {
+    at::Tensor big = at::ones({256 * kMiB / 4}, at::kFloat);  // every page written
+    ASSERT_GE(vm_rss() - rss0, 250 * kMiB) << "the kernel must see the tensor's pages";
+  }
+  const zeal::PhaseMemory& r = phase.end(false);
+  ASSERT_EQ(r.lines().size(), 4u) << "CPU lines only without an accelerator";
+  const auto v = parse(r.lines(), "CPU", "train");
+  EXPECT_NEAR(static_cast<double>(v[0]), static_cast<double>(rss0) / kMiB, 4.0) << "before: the resident set at the start";
+  EXPECT_GE(v[2], 255) << "peak (max-begin) covers the 256 MiB tensor";
+  EXPECT_LE(v[2], 256 + 32) << "and not much more";
+  EXPECT_LE(std::abs(v[1]), 8) << "the tensor was freed before the end";
+  EXPECT_EQ(v[3], v[0] + v[2]) << "total peak = before + peak, in whole MB as PEFT adds them";
+  // The JSON record says the same.
+  const auto j = nlohmann::json::parse(r.json());
+  EXPECT_EQ(j["phase"], "train");
+  EXPECT_EQ(j["cpu"]["before_mb"].get<int64_t>(), v[0]);
+  EXPECT_EQ(j["cpu"]["peak_mb"].get<int64_t>(), v[2]);
+  EXPECT_EQ(j["cpu"]["total_peak_mb"].get<int64_t>(), v[3]);
+  EXPECT_EQ(j["cpu"]["total_peak"].get<int64_t>(), r.cpu.peak);
+  EXPECT_FALSE(j.contains("gpu"));
+}
+
+// An inner phase resets the kernel's high-water mark; the outer phase still reports the peak it
+// reached before the inner one began.
+TEST(MemoryTracker, NestedPhasesKeepTheirOwnPeaks) {
+  zeal::Engine engine(cpu_config(0));
+  zeal::MemoryTracker outer(engine, "train");
+  {
+    at::Tensor big = at::ones({300 * kMiB / 4}, at::kFloat);
+  }
+  int64_t inner_peak = 0;
+  {
+    zeal::MemoryTracker inner(engine, "eval");
+    at::Tensor small = at::ones({64 * kMiB / 4}, at::kFloat);
+    const auto& r = inner.end(false);
+    inner_peak = r.cpu.peak - r.cpu.begin;
+    const auto v = parse(r.lines(), "CPU", "eval");
+    EXPECT_GE(v[2], 63);
+    EXPECT_LE(v[2], 64 + 32) << "the inner phase does not inherit the outer one's earlier peak";
+  }
+  const auto& r = outer.end(false);
+  EXPECT_GE(r.cpu.peak - r.cpu.begin, 299 * kMiB);
+  EXPECT_LT(inner_peak, 100 * kMiB);
+}
+
+// A training run's peak split into the runtime, the engine's parts and "activations and the rest":
+// the parts add up to the measured peak, each engine part is what engine.memory() says, the runtime
+// is the resident set before the engine existed or more, and nothing named is negative.
+TEST(MemoryTracker, BreakdownAddsUpToTheMeasuredPeak) {
+  for (int stage : {0, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          auto check = [](bool ok, const std::string& what) {
+            if (!ok) throw std::runtime_error("check failed: " + what);
+          };
+          zeal::Engine engine(cpu_config(stage), rt);
+          at::manual_seed(1);
+          TinyGpt model(TinyGptOptions{101, 48, 2, 3, 8, 96});
+          torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+          auto [m, o] = engine.prepare(model, opt);
+          zeal::MemoryTracker phase(engine, "train");
+          const at::Tensor tokens = make_tokens(4).narrow(1, 0, 9);
+          for (int step = 0; step < 2; ++step) {
+            engine.backward(m->forward(tokens.narrow(1, 0, 8)).pow(2).mean());
+            o.step();
+            o.zero_grad();
+          }
+          const auto& r = phase.end(false);
+          const auto parts = r.breakdown();
+          int64_t sum = 0;
+          for (const auto& p : parts) sum += p.bytes;
+          check(sum == r.cpu.peak, "the parts add up to the measured peak");
+          check(parts.front().name == "runtime" && parts.front().bytes > 0 && parts.front().bytes <= r.cpu.begin,
+                "the runtime's baseline is measured and below the phase's start");
+          const zeal::MemoryReport e = engine.memory();
+          for (const auto& p : parts) {
+            check(p.name == "activations and the rest" || p.bytes >= 0, p.name + " is not negative");
+            if (p.name == "gradients") check(p.bytes == e.grads, "gradients as the engine counts them");
+            if (p.name == "optimizer states") check(p.bytes == e.optimizer_states, "optimizer states as counted");
+          }
+          check(parts.back().name == "activations and the rest" && parts.back().bytes >= 0,
+                "the engine's parts fit under the measured peak");
+          const auto j = nlohmann::json::parse(r.json());
+          check(j["cpu_peak_breakdown"]["runtime"].get<int64_t>() == parts.front().bytes, "the JSON has the breakdown");
+        },
+        2);
+    EXPECT_EQ(zeal::describe_failures(results), "");
+  }
+}
