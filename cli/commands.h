@@ -17,6 +17,7 @@ Runner add_launch_command(CLI::App& app);
 Runner add_test_command(CLI::App& app);
 Runner add_offload_command(CLI::App& app);
 Runner add_consolidate_command(CLI::App& app);
+Runner add_estimate_command(CLI::App& app);
 
 // Adds --mixed_precision, --zero_stage, … to `cmd`, storing given values in `values`.
 void add_override_flags(CLI::App& cmd, std::map<std::string, std::string>& values);

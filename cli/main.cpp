@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   runners["test"] = zeal::cli::add_test_command(app);
   runners["offload"] = zeal::cli::add_offload_command(app);
   runners["consolidate"] = zeal::cli::add_consolidate_command(app);
+  runners["estimate-memory"] = zeal::cli::add_estimate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -57,6 +58,7 @@ struct Rank {
   pid_t pid = -1;
   bool running = false;
   int status = 0;  // waitpid status once exited
+  int64_t max_rss = 0;  // the kernel's peak resident set of the rank's process, once exited (bytes)
   Stream out, err;
   std::deque<std::string> tail;
 };
@@ -257,12 +259,14 @@ class Group {
   void reap() {
     for (;;) {
       int status = 0;
-      const pid_t pid = waitpid(-1, &status, WNOHANG);
+      struct rusage usage {};
+      const pid_t pid = wait4(-1, &status, WNOHANG, &usage);
       if (pid <= 0) return;
       for (auto& r : ranks_) {
         if (r.pid != pid || !r.running) continue;
         r.running = false;
         r.status = status;
+        r.max_rss = static_cast<int64_t>(usage.ru_maxrss) * 1024;  // KiB on Linux
         // The rank is gone; anything it started in its group goes too.
         kill(-r.pid, SIGKILL);
         if (failed(status) && !stopping_ && first_failure_ < 0) {
@@ -361,12 +365,26 @@ class Group {
       return exit_code_of(r.status);
     }
     if (interrupted_by_ != 0) return 128 + interrupted_by_;
+    // With --verbose, what each rank's process held at most, as the kernel counted it: the sum
+    // bounds the node's peak from above.
+    const double seconds = std::chrono::duration<double>(Clock::now() - started_).count();
+    if (o_.verbose) {
+      std::string per;
+      int64_t sum = 0;
+      for (const auto& r : ranks_) {
+        per += fmt::format("{}rank {} {:.2f} GiB", per.empty() ? "" : ", ", r.global, static_cast<double>(r.max_rss) / (1 << 30));
+        sum += r.max_rss;
+      }
+      std::fprintf(stderr, "zeal launch: peak resident set per rank: %s; sum %.2f GiB; %.0f s\n", per.c_str(),
+                   static_cast<double>(sum) / (1 << 30), seconds);
+    }
     return 0;
   }
 
   const LaunchOptions& o_;
   std::vector<Rank> ranks_;
   const bool terminal_ = isatty(1) != 0;
+  const Clock::time_point started_ = Clock::now();
   std::string bar_;  // the progress bar on the terminal now (redraw codes included), or empty
   int bar_rank_ = -1;
   bool stopping_ = false;

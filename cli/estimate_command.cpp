@@ -1,0 +1,108 @@
+// `zeal estimate-memory`: per-rank memory for every stage and offload choice before a run — zeal's
+// prediction of the peak (model states, offload buffers, gathered units, activations, the
+// runtime) and DeepSpeed's model-state estimators reproduced exactly.
+//
+//   zeal estimate-memory --model gpt2-1.3b --num_processes 2 --mixed_precision bf16 --seq_len 128
+//   zeal estimate-memory --hf_config path/config.json --num_processes 8 --num_machines 2 --json est.json
+//   zeal estimate-memory --params 7e9 --largest_layer_params 2.6e8
+#include <cstdio>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "engine/error.h"
+#include "engine/estimate.h"
+#include "engine/memory_tracker.h"
+#include "examples/models/gpt_config.h"
+
+namespace zeal::cli {
+
+Runner add_estimate_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("estimate-memory",
+                                 "Per-rank memory for every ZeRO stage and offload choice: zeal's prediction of the peak "
+                                 "and DeepSpeed's model-state estimators");
+  struct Options {
+    double params = 0, largest_layer = 0;
+    std::string preset, hf_config, precision = "fp32", json_path, stages = "0,1,2,3", offloads = "none,cpu,nvme";
+    int num_processes = 1, num_machines = 1;
+    int64_t micro_batch = 1, seq_len = 1024;
+    bool gpu = false;
+  };
+  auto o = std::make_shared<Options>();
+  std::string presets;
+  for (const auto& p : zeal::models::gpt_presets()) presets += (presets.empty() ? "" : ", ") + p.name;
+  auto* src = cmd->add_option_group("model", "the model: one of");
+  src->add_option("--params", o->params, "a parameter count (with --largest_layer_params)")->check(CLI::PositiveNumber);
+  src->add_option("--model", o->preset, "a GPT preset of train_gpt: " + presets);
+  src->add_option("--hf_config", o->hf_config, "a Hugging Face config.json (GPT-2, BERT, LLaMA-style)");
+  src->require_option(1);
+  cmd->add_option("--largest_layer_params", o->largest_layer, "the largest module's own parameters (DeepSpeed's zero3 estimate)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--num_processes", o->num_processes, "ranks per machine (default 1)")->check(CLI::Range(1, 1 << 16));
+  cmd->add_option("--num_machines", o->num_machines, "machines (default 1)")->check(CLI::Range(1, 1 << 16));
+  cmd->add_option("--mixed_precision", o->precision, "fp32 (no), bf16 or fp16 (default fp32)")
+      ->transform(CLI::IsMember({"no", "fp32", "bf16", "fp16"}));
+  cmd->add_option("--micro_batch", o->micro_batch, "samples per rank per micro-step (default 1)")->check(CLI::PositiveNumber);
+  cmd->add_option("--seq_len", o->seq_len, "tokens per sample (default 1024)")->check(CLI::PositiveNumber);
+  cmd->add_option("--stages", o->stages, "ZeRO stages, comma-separated (default 0,1,2,3)");
+  cmd->add_option("--offload", o->offloads, "offload choices, comma-separated: none, cpu, nvme (default all)");
+  cmd->add_flag("--gpu", o->gpu, "the model computes on GPUs (device and host columns); default: on the CPU");
+  cmd->add_option("--json", o->json_path, "also write the estimate as JSON here");
+  return [o] {
+    estimate::ModelShape m;
+    if (!o->preset.empty()) {
+      zeal::models::GptConfig c;
+      try {
+        c = zeal::models::gpt_preset(o->preset);
+      } catch (const std::invalid_argument& e) {
+        throw Error(std::string("--model: ") + e.what());
+      }
+      m = estimate::gpt_shape(c.name, c.vocab, c.context, c.layers, c.dim, c.heads);
+    } else if (!o->hf_config.empty()) {
+      try {
+        m = estimate::hf_config_shape(o->hf_config);
+      } catch (const std::runtime_error& e) {
+        throw Error(e.what());
+      }
+    } else {
+      if (o->largest_layer <= 0) throw Error("--params needs --largest_layer_params (DeepSpeed's zero3 estimate uses it)");
+      m.name = fmt::format("{:.0f} parameters", o->params);
+      m.params = static_cast<int64_t>(o->params);
+      m.largest_layer = static_cast<int64_t>(o->largest_layer);
+    }
+    if (o->largest_layer > 0) m.largest_layer = static_cast<int64_t>(o->largest_layer);
+    estimate::RunShape r;
+    r.world = o->num_processes * o->num_machines;
+    r.nodes = o->num_machines;
+    r.precision = o->precision == "no" ? "fp32" : o->precision;
+    r.on_gpu = o->gpu;
+    r.micro_batch = o->micro_batch;
+    r.seq_len = o->seq_len;
+    // This program loads the libraries a training process loads: its resident set now is the
+    // runtime's share of every rank's memory (the communicator adds a little).
+    r.runtime_bytes = detail::resident_bytes();
+    std::vector<int> stages;
+    for (const auto& s : CLI::detail::split(o->stages, ',')) {
+      if (s != "0" && s != "1" && s != "2" && s != "3") throw Error("--stages: '" + s + "' is not a ZeRO stage (0, 1, 2 or 3)");
+      stages.push_back(std::stoi(s));
+    }
+    std::vector<estimate::Offload> offloads;
+    for (const auto& s : CLI::detail::split(o->offloads, ',')) {
+      if (s == "none") offloads.push_back(estimate::Offload::kNone);
+      else if (s == "cpu") offloads.push_back(estimate::Offload::kCpu);
+      else if (s == "nvme") offloads.push_back(estimate::Offload::kNvme);
+      else throw Error("--offload: '" + s + "' is not none, cpu or nvme");
+    }
+    const auto rep = estimate::report(m, r, stages, offloads);
+    std::fputs(rep.text.c_str(), stdout);
+    if (!o->json_path.empty()) {
+      std::ofstream f(o->json_path);
+      f << rep.json << "\n";
+      if (!f) throw Error("--json: cannot write " + o->json_path);
+    }
+    return 0;
+  };
+}
+
+}  // namespace zeal::cli

@@ -1,0 +1,333 @@
+#include "engine/estimate.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <fstream>
+#include <stdexcept>
+
+#include "engine/memory.h"
+
+namespace zeal::estimate {
+
+// --- DeepSpeed -----------------------------------------------------------------------------------
+// Python's arithmetic in Python's order: int × int stays exact, int × float converts the int first,
+// int() truncates toward zero.
+
+DeepSpeedRow deepspeed_zero3(int64_t total_params, int64_t largest_layer_params, int gpus_per_node, int nodes,
+                             bool cpu_offload, bool cpu_offload_params, bool zero_init, double factor) {
+  const int64_t total_gpus = static_cast<int64_t>(nodes) * gpus_per_node;
+  const double gpus_factor = 1.0 / nodes;
+  const int64_t largest_layer_memory = 4 * largest_layer_params;
+  const double t = static_cast<double>(total_params);
+  double cpu_mem = 0, gpu_mem = 0;
+  // max(4 * num_gpus_per_node, k * gpus_factor): the int when it is larger (or equal: max keeps the first).
+  auto total_times_max = [&](double k) {
+    const int64_t a = 4 * static_cast<int64_t>(gpus_per_node);
+    const double b = k * gpus_factor;
+    return static_cast<double>(a) >= b ? static_cast<double>(total_params * a) : t * b;
+  };
+  if (cpu_offload) {
+    if (cpu_offload_params) {
+      gpu_mem = static_cast<double>(largest_layer_memory);
+      cpu_mem = zero_init ? static_cast<double>(total_params * 18) * gpus_factor * factor : total_times_max(18) * factor;
+    } else {
+      gpu_mem = static_cast<double>(largest_layer_memory +
+                                    static_cast<int64_t>(static_cast<double>(2 * total_params) / static_cast<double>(total_gpus)));
+      cpu_mem = zero_init ? static_cast<double>(total_params * 16) * gpus_factor * factor : total_times_max(16) * factor;
+    }
+  } else {
+    gpu_mem = static_cast<double>(largest_layer_memory +
+                                  static_cast<int64_t>(static_cast<double>(18 * total_params) / static_cast<double>(total_gpus)));
+    cpu_mem = zero_init ? static_cast<double>(largest_layer_params * 4 * gpus_per_node) * factor
+                        : static_cast<double>(total_params * 4 * gpus_per_node) * factor;
+  }
+  DeepSpeedRow r;
+  r.offload_optimizer = cpu_offload;
+  r.offload_param = cpu_offload_params;
+  r.zero_init = zero_init;
+  r.cpu_bytes = static_cast<int64_t>(cpu_mem);
+  r.gpu_bytes = static_cast<int64_t>(gpu_mem);
+  r.largest_layer_bytes = largest_layer_memory;
+  return r;
+}
+
+DeepSpeedRow deepspeed_zero2(int64_t total_params, int gpus_per_node, int nodes, bool cpu_offload, double factor) {
+  const int64_t total_gpus = static_cast<int64_t>(nodes) * gpus_per_node;
+  double cpu_mem = 0, gpu_mem = 0;
+  if (cpu_offload) {
+    gpu_mem = static_cast<double>(2 * total_params);
+    cpu_mem = static_cast<double>(total_params * std::max<int64_t>(4 * total_gpus, 16)) * factor;
+  } else {
+    gpu_mem = static_cast<double>(2 * total_params +
+                                  static_cast<int64_t>(static_cast<double>(18 * total_params) / static_cast<double>(total_gpus)));
+    cpu_mem = static_cast<double>(total_params * 4 * gpus_per_node) * factor;
+  }
+  DeepSpeedRow r;
+  r.offload_optimizer = cpu_offload;
+  r.cpu_bytes = static_cast<int64_t>(cpu_mem);
+  r.gpu_bytes = static_cast<int64_t>(gpu_mem);
+  return r;
+}
+
+namespace {
+
+std::string hw_line(int gpus_per_node, int nodes) {
+  return fmt::format("HW: Setup with {} {}, {} {} per node.\n", nodes, nodes > 1 ? "nodes" : "node", gpus_per_node,
+                     gpus_per_node > 1 ? "GPUs" : "GPU");
+}
+std::string gb(int64_t bytes, int width) { return fmt::format("{:{}.2f}GB", static_cast<double>(bytes) / (1 << 30), width); }
+
+}  // namespace
+
+std::string deepspeed_zero3_table(int64_t total_params, int64_t largest_layer_params, int gpus_per_node, int nodes) {
+  std::string out = "Estimated memory needed for params, optim states and gradients for a:\n" + hw_line(gpus_per_node, nodes) +
+                    fmt::format("SW: Model with {}M total params, {}M largest layer params.\n",
+                                static_cast<int64_t>(static_cast<double>(total_params) / 1e6),
+                                static_cast<int64_t>(static_cast<double>(largest_layer_params) / 1e6)) +
+                    "  per CPU  |  per GPU |   Options\n";
+  for (bool cpu_offload : {true, false}) {
+    for (bool cpu_offload_params : {true, false}) {
+      if (!cpu_offload && cpu_offload_params) continue;
+      for (bool zero_init : {true, false}) {
+        const auto r = deepspeed_zero3(total_params, largest_layer_params, gpus_per_node, nodes, cpu_offload, cpu_offload_params,
+                                       zero_init);
+        out += fmt::format(" {} | {} | offload_param={}, offload_optimizer={}, zero_init={}\n", gb(r.cpu_bytes, 7),
+                           gb(r.gpu_bytes, 6), cpu_offload_params ? "cpu " : "none", cpu_offload ? "cpu " : "none",
+                           zero_init ? 1 : 0);
+      }
+    }
+  }
+  return out;
+}
+
+std::string deepspeed_zero2_table(int64_t total_params, int gpus_per_node, int nodes) {
+  std::string out = "Estimated memory needed for params, optim states and gradients for a:\n" + hw_line(gpus_per_node, nodes) +
+                    fmt::format("SW: Model with {}M total params.\n", static_cast<int64_t>(static_cast<double>(total_params) / 1e6)) +
+                    "  per CPU  |  per GPU |   Options\n";
+  for (bool cpu_offload : {true, false}) {
+    const auto r = deepspeed_zero2(total_params, gpus_per_node, nodes, cpu_offload);
+    out += fmt::format(" {} | {} | offload_optimizer={}\n", gb(r.cpu_bytes, 7), gb(r.gpu_bytes, 6), cpu_offload ? "cpu " : "none");
+  }
+  return out;
+}
+
+// --- models --------------------------------------------------------------------------------------
+
+ModelShape gpt_shape(const std::string& name, int64_t vocab, int64_t context, int64_t layers, int64_t dim, int64_t heads) {
+  ModelShape m;
+  m.name = name;
+  const int64_t block = 12 * dim * dim + 13 * dim;
+  const int64_t root = (vocab + context) * dim + 2 * dim;
+  m.params = root + layers * block;
+  m.largest_layer = std::max(vocab * dim, 4 * dim * dim + 4 * dim);  // the token embedding, or the MLP's fc
+  m.largest_param = std::max(vocab * dim, 4 * dim * dim);
+  m.largest_param_grads = vocab * dim >= 4 * dim * dim ? 2 : 1;  // the head is tied to the token embedding
+  m.units.push_back(root);
+  for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
+  m.transformer = ModelShape::Transformer{layers, dim, heads, vocab, 4 * dim};
+  return m;
+}
+
+ModelShape hf_config_shape(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("--hf_config: cannot read " + path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("--hf_config: " + path + " is not valid JSON: " + e.what());
+  }
+  auto get = [&](std::initializer_list<const char*> keys) -> int64_t {
+    for (const char* k : keys)
+      if (j.contains(k) && j[k].is_number_integer()) return j[k].get<int64_t>();
+    throw std::runtime_error(fmt::format("--hf_config: {} has no integer '{}'", path, *keys.begin()));
+  };
+  const std::string type = j.value("model_type", std::string(j.contains("n_embd") ? "gpt2" : "bert"));
+  ModelShape m;
+  m.name = type + " (" + path + ")";
+  const int64_t h = get({"hidden_size", "n_embd"}), layers = get({"num_hidden_layers", "n_layer"});
+  const int64_t heads = get({"num_attention_heads", "n_head"}), vocab = get({"vocab_size"});
+  if (type == "gpt2") {
+    const int64_t ctx = get({"n_positions", "max_position_embeddings"});
+    const int64_t ffn = j.contains("n_inner") && j["n_inner"].is_number_integer() ? j["n_inner"].get<int64_t>() : 4 * h;
+    const int64_t block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * ffn + ffn) + (ffn * h + h);
+    const int64_t root = (vocab + ctx) * h + 2 * h;
+    m.params = root + layers * block;
+    m.largest_layer = std::max(vocab * h, h * ffn + ffn);
+    m.largest_param = std::max(vocab * h, h * ffn);
+    m.largest_param_grads = vocab * h >= h * ffn ? 2 : 1;
+    m.units.push_back(root);
+    for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
+    m.transformer = ModelShape::Transformer{layers, h, heads, vocab, ffn};
+  } else if (type == "llama" || type == "mistral" || type == "qwen2") {
+    const int64_t ffn = get({"intermediate_size"});
+    const int64_t kv = j.contains("num_key_value_heads") ? j["num_key_value_heads"].get<int64_t>() : heads;
+    const int64_t kv_dim = h / heads * kv;
+    const bool bias = type == "qwen2";
+    const int64_t block = 2 * h + h * h + 2 * h * kv_dim + h * h + 3 * h * ffn + (bias ? h + 2 * kv_dim : 0);
+    const bool tied = j.value("tie_word_embeddings", false);
+    const int64_t root = vocab * h * (tied ? 1 : 2) + h;
+    m.params = root + layers * block;
+    m.largest_layer = std::max(vocab * h, h * ffn);
+    m.largest_param = m.largest_layer;
+    m.largest_param_grads = tied && vocab * h >= h * ffn ? 2 : 1;
+    m.units.push_back(root);
+    for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
+    m.transformer = ModelShape::Transformer{layers, h, heads, vocab, ffn};
+  } else {  // BERT and its kin: embeddings (word, position, type, LayerNorm), blocks, pooler
+    const int64_t ffn = get({"intermediate_size"}), ctx = get({"max_position_embeddings"});
+    const int64_t types = j.contains("type_vocab_size") ? j["type_vocab_size"].get<int64_t>() : 2;
+    const int64_t block = 4 * (h * h + h) + 2 * h + (h * ffn + ffn) + (ffn * h + h) + 2 * h;
+    const int64_t root = (vocab + ctx + types) * h + 2 * h + (h * h + h);
+    m.params = root + layers * block;
+    m.largest_layer = std::max(vocab * h, h * ffn + ffn);
+    m.largest_param = std::max(vocab * h, h * ffn);
+    m.units.push_back(root);
+    for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
+    m.transformer = ModelShape::Transformer{layers, h, heads, vocab, ffn};
+  }
+  return m;
+}
+
+// --- zeal's prediction ----------------------------------------------------------------------------
+
+std::string offload_name(Offload o) {
+  switch (o) {
+    case Offload::kCpu: return "cpu";
+    case Offload::kNvme: return "nvme";
+    default: return "none";
+  }
+}
+
+Prediction predict(const ModelShape& m, const RunShape& r) {
+  Prediction p;
+  p.run = r;
+  const double N = std::max(1, r.world), psi = static_cast<double>(m.params);
+  const int64_t P = r.precision == "fp32" ? 4 : 2;  // compute copy
+  const int64_t G = 4;                              // gradients accumulate in fp32
+  const int64_t M = P == 4 ? 0 : 4;                 // fp32 parameters are their own master weights
+  const int64_t O = 8;                              // Adam's m and v
+  const std::string dev = r.on_gpu ? "device" : "host";
+  auto add = [&](const std::string& name, double bytes, const std::string& where) {
+    if (bytes > 0) p.parts.push_back({name, static_cast<int64_t>(bytes), where});
+  };
+  const double p_share = r.stage == 3 ? psi / N : psi;
+  const double g_share = r.stage >= 2 ? psi / N : psi;
+  const double mo_share = r.stage >= 1 ? psi / N : psi;
+  add("runtime", static_cast<double>(r.runtime_bytes), "host");
+  // Parameters: stage 3 on NVMe keeps max_in_cpu elements of shards in host memory, the rest on disk.
+  if (r.stage == 3 && r.offload_param == Offload::kNvme) {
+    const double in_cpu = std::min(p_share, static_cast<double>(r.max_in_cpu));
+    add("parameters", P * in_cpu, "host");
+    add("parameters on disk", P * (p_share - in_cpu), "disk");
+  } else {
+    add("parameters", P * p_share, r.stage == 3 && r.offload_param == Offload::kCpu ? "host" : dev);
+  }
+  add("gradients", G * g_share, dev);
+  const std::string mo_where = r.offload_optimizer == Offload::kNone ? dev : r.offload_optimizer == Offload::kCpu ? "host" : "disk";
+  // On NVMe the swap file keeps fp32 master weights even for fp32 parameters ([master | m | v]).
+  add("master weights", (r.offload_optimizer == Offload::kNvme ? 4 : M) * mo_share, mo_where);
+  add("optimizer states", O * mo_share, mo_where);
+  double states = 0;
+  for (const auto& part : p.parts)
+    if (part.name != "runtime" && part.name != "parameters on disk") states += static_cast<double>(part.bytes);
+  p.model_state_bytes = static_cast<int64_t>(states);
+  // Offload buffers: NVMe windows (three sets of master, m, v plus gradient and result windows);
+  // CPU offload: the step's gradient and result buffers.
+  const double window = std::min({static_cast<double>(r.sub_group_size), 16777216.0, mo_share});
+  if (r.offload_optimizer == Offload::kNvme) {
+    add("offload windows", (12.0 * std::clamp(r.buffer_count, 1, 3) + 4 + P) * window, "host");
+  } else if (r.offload_optimizer == Offload::kCpu) {
+    add("offload step buffers", (4.0 + P) * mo_share, "host");
+  }
+  // Stage 3: units gathered at once — up to stage3_max_live_parameters besides the one in use.
+  const double largest_unit = m.units.empty() ? psi : static_cast<double>(*std::max_element(m.units.begin(), m.units.end()));
+  if (r.stage == 3 && N > 1) {
+    add("gathered units", P * std::min(psi, static_cast<double>(r.max_live_parameters) + largest_unit), dev);
+    add("a unit's full gradient before its reduce-scatter", G * largest_unit, dev);
+  } else {
+    if (r.stage == 2 && N > 1) add("gradient buckets in flight", G * std::min(psi, 5e8), dev);
+    // The backward makes the largest parameter's gradient(s) afresh before adding them in.
+    add("the largest parameter's fresh gradients", G * static_cast<double>(m.largest_param) * m.largest_param_grads, dev);
+  }
+  // Activations kept for the backward (a transformer's: per layer and token 16·h elements in the
+  // compute dtype — LayerNorm inputs and outputs, q/k/v, attention output, the MLP's two 4h
+  // tensors), the logits and their fp32 softmax and gradient.
+  if (m.transformer) {
+    const auto& t = *m.transformer;
+    const double tokens = static_cast<double>(r.micro_batch * r.seq_len);
+    const double A = static_cast<double>(P);
+    add("activations", tokens * static_cast<double>(t.layers) * (8.0 * t.hidden + 2.0 * t.ffn) * A, dev);
+    add("logits, softmax and their gradient", tokens * static_cast<double>(t.vocab) * (A + 8.0), dev);
+  }
+  for (const auto& part : p.parts) {
+    if (part.where == "disk") p.disk_bytes += part.bytes;
+    else if (part.where == "device") p.device_peak += part.bytes;
+    else p.host_peak += part.bytes;
+  }
+  return p;
+}
+
+Report report(const ModelShape& m, const RunShape& base, const std::vector<int>& stages, const std::vector<Offload>& offloads) {
+  Report out;
+  const int nodes = std::max(1, base.nodes), gpus = std::max(1, base.world / nodes);  // DeepSpeed's per-node count
+  nlohmann::json j;
+  j["model"] = {{"name", m.name}, {"params", m.params}, {"largest_layer_params", m.largest_layer}};
+  j["run"] = {{"world", base.world}, {"nodes", nodes}, {"precision", base.precision}, {"micro_batch", base.micro_batch},
+              {"seq_len", base.seq_len}, {"on_gpu", base.on_gpu}, {"runtime_bytes", base.runtime_bytes}};
+  std::string text = fmt::format("zeal estimate-memory: {}, {:.1f} M parameters (largest layer {:.1f} M), {} ranks, {}, "
+                                 "{} x {} tokens per rank\n\n",
+                                 m.name, static_cast<double>(m.params) / 1e6, static_cast<double>(m.largest_layer) / 1e6,
+                                 base.world, base.precision, base.micro_batch, base.seq_len);
+  text += "| stage | offload | model states per rank | " + std::string(base.on_gpu ? "device peak | " : "") +
+          "host peak | on disk | what the peak holds |\n|---|---|---|" + (base.on_gpu ? "---|" : "") + "---|---|---|\n";
+  nlohmann::json rows = nlohmann::json::array();
+  for (int stage : stages) {
+    for (Offload o : offloads) {
+      if (o == Offload::kNvme && stage != 3) continue;  // NVMe offload is stage 3's
+      if (o != Offload::kNone && stage == 0) continue;  // offload shards the optimizer: stages 1-3
+      RunShape r = base;
+      r.stage = stage;
+      r.offload_optimizer = o;
+      r.offload_param = stage == 3 ? o : Offload::kNone;
+      const Prediction p = predict(m, r);
+      std::string parts;
+      nlohmann::json jp = nlohmann::json::object();
+      for (const auto& part : p.parts) {
+        if (part.where != "disk") parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", part.name, format_bytes(static_cast<double>(part.bytes)));
+        jp[part.name] = {{"bytes", part.bytes}, {"where", part.where}};
+      }
+      text += fmt::format("| {} | {} | {} | {}{} | {} | {} |\n", stage, offload_name(o), format_bytes(static_cast<double>(p.model_state_bytes)),
+                          base.on_gpu ? format_bytes(static_cast<double>(p.device_peak)) + " | " : "",
+                          format_bytes(static_cast<double>(p.host_peak)), format_bytes(static_cast<double>(p.disk_bytes)), parts);
+      rows.push_back({{"stage", stage}, {"offload", offload_name(o)}, {"model_state_bytes", p.model_state_bytes},
+                      {"device_peak_bytes", p.device_peak}, {"host_peak_bytes", p.host_peak}, {"disk_bytes", p.disk_bytes},
+                      {"parts", jp}});
+    }
+  }
+  j["zeal"] = rows;
+  text += "\nDeepSpeed's estimators (model states only, × 1.5 \"additional buffer factor\"):\n\n";
+  text += deepspeed_zero2_table(m.params, gpus, nodes) + "\n" + deepspeed_zero3_table(m.params, m.largest_layer, gpus, nodes);
+  nlohmann::json ds = nlohmann::json::array();
+  for (bool off : {true, false}) {
+    const auto r = deepspeed_zero2(m.params, gpus, nodes, off);
+    ds.push_back({{"stage", 2}, {"offload_optimizer", off}, {"cpu_bytes", r.cpu_bytes}, {"gpu_bytes", r.gpu_bytes}});
+  }
+  for (bool off : {true, false})
+    for (bool offp : {true, false}) {
+      if (!off && offp) continue;
+      for (bool init : {true, false}) {
+        const auto r = deepspeed_zero3(m.params, m.largest_layer, gpus, nodes, off, offp, init);
+        ds.push_back({{"stage", 3}, {"offload_optimizer", off}, {"offload_param", offp}, {"zero_init", init},
+                      {"cpu_bytes", r.cpu_bytes}, {"gpu_bytes", r.gpu_bytes}});
+      }
+    }
+  j["deepspeed"] = ds;
+  out.text = text;
+  out.json = j.dump(2);
+  return out;
+}
+
+}  // namespace zeal::estimate

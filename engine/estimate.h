@@ -1,0 +1,104 @@
+// Memory estimates before a run: DeepSpeed's model-state estimators reproduced exactly (its
+// estimate_zero2/zero3_model_states_mem_needs and their "all cold" tables), and zeal's own
+// prediction of what each rank holds and of its peak for a stage and an offload choice.
+//
+// `zeal estimate-memory` prints both; no LibTorch here.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace zeal::estimate {
+
+// --- DeepSpeed's estimators, as deepspeed/runtime/zero/stage3.py and stage_1_and_2.py compute them
+// (bytes; the 1.5 "additional buffer factor" included; per CPU = per node, per GPU = per rank).
+
+struct DeepSpeedRow {
+  bool offload_optimizer = false, offload_param = false, zero_init = false;
+  int64_t cpu_bytes = 0, gpu_bytes = 0;
+  int64_t largest_layer_bytes = 0;  // stage 3 only
+};
+DeepSpeedRow deepspeed_zero3(int64_t total_params, int64_t largest_layer_params, int gpus_per_node, int nodes,
+                             bool cpu_offload, bool cpu_offload_params, bool zero_init, double additional_buffer_factor = 1.5);
+DeepSpeedRow deepspeed_zero2(int64_t total_params, int gpus_per_node, int nodes, bool cpu_offload,
+                             double additional_buffer_factor = 1.5);
+// The tables estimate_zero{2,3}_model_states_mem_needs_all_cold print, line for line.
+std::string deepspeed_zero3_table(int64_t total_params, int64_t largest_layer_params, int gpus_per_node, int nodes);
+std::string deepspeed_zero2_table(int64_t total_params, int gpus_per_node, int nodes);
+
+// --- The model ------------------------------------------------------------------------------------
+
+// What the prediction needs to know about a model: its parameters, the largest module's own
+// parameters (DeepSpeed's "largest layer"), the stage-3 units (the root first, then each Sharded
+// block), and, for the activations, a transformer's shape (absent for --params).
+struct ModelShape {
+  std::string name;
+  int64_t params = 0;
+  int64_t largest_layer = 0;
+  std::vector<int64_t> units;
+  // The largest single parameter, and how many gradients of it the backward makes before they are
+  // summed (2 for an embedding tied to the head: one through the head, one through the lookup).
+  int64_t largest_param = 0;
+  int largest_param_grads = 1;
+  struct Transformer {
+    int64_t layers = 0, hidden = 0, heads = 0, vocab = 0, ffn = 0;
+  };
+  std::optional<Transformer> transformer;
+};
+// The GPT of examples/models/gpt.h (GptConfig's fields): the root (embeddings, final norm; the
+// head is tied) and one unit per block.
+ModelShape gpt_shape(const std::string& name, int64_t vocab, int64_t context, int64_t layers, int64_t dim, int64_t heads);
+// A Hugging Face config.json: GPT-2 (n_embd, n_layer, n_head, vocab_size, n_positions), BERT
+// (hidden_size, num_hidden_layers, intermediate_size, vocab_size, max_position_embeddings,
+// type_vocab_size) or LLaMA-style (model_type llama/mistral/qwen2: hidden_size, num_hidden_layers,
+// intermediate_size, vocab_size, tie_word_embeddings). std::runtime_error naming the file and key.
+ModelShape hf_config_shape(const std::string& path);
+
+// --- zeal's prediction ----------------------------------------------------------------------------
+
+enum class Offload { kNone, kCpu, kNvme };
+std::string offload_name(Offload o);
+
+struct RunShape {
+  int stage = 3;
+  Offload offload_optimizer = Offload::kNone;
+  Offload offload_param = Offload::kNone;
+  int world = 1;                        // ranks in all (num_processes × num_machines)
+  int nodes = 1;                        // num_machines
+  std::string precision = "fp32";       // fp32 | bf16 | fp16
+  bool on_gpu = false;                  // the model computes on a GPU (else the CPU)
+  int64_t micro_batch = 1, seq_len = 1024;
+  // DeepSpeed's defaults, as the engine reads them.
+  int64_t sub_group_size = 1'000'000'000;
+  int64_t max_live_parameters = 1'000'000'000;
+  int64_t max_in_cpu = 1'000'000'000;   // offload_param nvme: shard elements kept in host memory
+  int buffer_count = 4;                  // offload_optimizer.buffer_count
+  int64_t runtime_bytes = 0;             // the process's resident set before the model (measured)
+};
+
+struct Part {
+  std::string name;
+  int64_t bytes = 0;
+  std::string where;  // "device", "host" or "disk"
+};
+
+struct Prediction {
+  RunShape run;
+  std::vector<Part> parts;
+  int64_t model_state_bytes = 0;   // DESIGN.md's stage table with the offload moved out
+  int64_t device_peak = 0, host_peak = 0, disk_bytes = 0;
+};
+Prediction predict(const ModelShape& m, const RunShape& r);
+
+// The whole report: DeepSpeed's tables, then zeal's prediction per stage × offload choice, as a
+// markdown table; and the same as one JSON document.
+struct Report {
+  std::string text;
+  std::string json;
+};
+Report report(const ModelShape& m, const RunShape& base, const std::vector<int>& stages,
+              const std::vector<Offload>& offloads);
+
+}  // namespace zeal::estimate
