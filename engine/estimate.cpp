@@ -227,8 +227,9 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   }
   add("gradients", G * g_share, dev);
   const std::string mo_where = r.offload_optimizer == Offload::kNone ? dev : r.offload_optimizer == Offload::kCpu ? "host" : "disk";
-  // On NVMe the swap file keeps fp32 master weights even for fp32 parameters ([master | m | v]).
-  add("master weights", (r.offload_optimizer == Offload::kNvme ? 4 : M) * mo_share, mo_where);
+  // Offloaded, the master weights are their own fp32 copy even for fp32 parameters (in host
+  // memory, or in the NVMe swap file's [master | m | v]).
+  add("master weights", (r.offload_optimizer != Offload::kNone ? 4 : M) * mo_share, mo_where);
   add("optimizer states", O * mo_share, mo_where);
   double states = 0;
   for (const auto& part : p.parts)
@@ -248,7 +249,9 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
     add("gathered units", P * std::min(psi, static_cast<double>(r.max_live_parameters) + largest_unit), dev);
     add("a unit's full gradient before its reduce-scatter", G * largest_unit, dev);
   } else {
-    if (r.stage == 2 && N > 1) add("gradient buckets in flight", G * std::min(psi, 5e8), dev);
+    // Stages 1 and 2 reduce-scatter the gradients through buckets of reduce_bucket_size (DeepSpeed's
+    // 5e8 elements: the whole gradient of models up to that size).
+    if ((r.stage == 1 || r.stage == 2) && N > 1) add("gradient buckets in flight", G * std::min(psi, 5e8), dev);
     // The backward makes the largest parameter's gradient(s) afresh before adding them in.
     add("the largest parameter's fresh gradients", G * static_cast<double>(m.largest_param) * m.largest_param_grads, dev);
   }

@@ -445,15 +445,19 @@ class Loader {
   int depth_ = 0;
 };
 
+// All the environment's overrides at once: one may need another (offload device nvme and its
+// nvme_path), so they are checked together, not one by one.
 void apply_environment(Config& c, std::vector<std::string>& errors) {
+  std::vector<Config::Setting> settings;
   for (const auto& f : override_flags()) {
     const char* v = std::getenv(f.env.c_str());
-    if (!v) continue;
-    try {
-      c.set(f.flag, v, {Origin::Kind::kEnvironment, f.env});
-    } catch (const ConfigError& e) {
-      errors.insert(errors.end(), e.problems().begin(), e.problems().end());
-    }
+    if (v) settings.push_back({f.flag, v, {Origin::Kind::kEnvironment, f.env}});
+  }
+  if (settings.empty()) return;
+  try {
+    c.set_all(settings);
+  } catch (const ConfigError& e) {
+    errors.insert(errors.end(), e.problems().begin(), e.problems().end());
   }
 }
 

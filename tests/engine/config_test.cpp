@@ -287,6 +287,31 @@ TEST(Config, EnvironmentOverridesFileAndFlagsOverrideEnvironment) {
   EXPECT_FALSE(from_flags.fp16.enabled.value);
 }
 
+// Overrides that need each other (an nvme device and its path, as `zeal launch --offload_*_device
+// nvme --offload_*_nvme_path P` passes them to its ranks) are checked together.
+TEST(Config, EnvironmentOverridesThatNeedEachOtherApplyTogether) {
+  ScopedEnv env;
+  env.set("ZEAL_ZERO_STAGE", "3");
+  env.set("ZEAL_OFFLOAD_OPTIMIZER_DEVICE", "nvme");
+  env.set("ZEAL_OFFLOAD_PARAM_DEVICE", "nvme");
+  env.set("ZEAL_OFFLOAD_OPTIMIZER_NVME_PATH", "/tmp/a");
+  env.set("ZEAL_OFFLOAD_PARAM_NVME_PATH", "/tmp/b");
+  Config c = Config::load((kRoot / "configs/zero3.yaml").string(), true);
+  EXPECT_EQ(c.zero.offload_optimizer.device, OffloadDevice::kNvme);
+  EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kNvme);
+  EXPECT_EQ(c.zero.offload_optimizer.nvme_path, "/tmp/a");
+  EXPECT_EQ(c.zero.offload_param.nvme_path, "/tmp/b");
+  // Without the path the device is still refused, naming both.
+  ScopedEnv only_device;
+  only_device.set("ZEAL_OFFLOAD_PARAM_NVME_PATH", "");
+  try {
+    Config::load((kRoot / "configs/zero3.yaml").string(), true);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("offload_param.nvme_path"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Config, ConfigFileComesFromTheEnvironmentWhenNoFlagNamesOne) {
   ScopedEnv env;
   env.set("ZEAL_CONFIG_FILE", (kRoot / "configs/zero1.yaml").string());

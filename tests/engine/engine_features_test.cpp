@@ -20,6 +20,23 @@
 namespace zeal_test {
 namespace {
 
+// bf16 compute on a CPU without bf16 instructions is slow: the engine says so at start, naming the
+// way out; fp32 and a CPU with AVX512-BF16 get no such line. The CPU's flags are read here with
+// the compiler's own cpuid check.
+TEST(Precision, Bf16OnACpuWithoutBf16InstructionsIsNamed) {
+  for (const std::string precision : {"bf16", "no"}) {
+    zeal::Config c = zeal::Config::defaults(false);
+    c.mixed_precision = precision;
+    testing::internal::CaptureStderr();
+    { zeal::Engine engine(c); }
+    const std::string err = testing::internal::GetCapturedStderr();
+    const bool expected = precision == "bf16" && !__builtin_cpu_supports("avx512bf16");
+    EXPECT_EQ(err.find("mixed_precision bf16 on a CPU without AVX512-BF16") != std::string::npos, expected)
+        << precision << ": " << err;
+    if (expected) EXPECT_NE(err.find("--mixed_precision no"), std::string::npos) << err;
+  }
+}
+
 // bf16 compute with an fp32 master follows the fp32 run: the loss curve and the parameters within
 // what bf16's 8-bit significand allows this run (bf16_spread), in stage 2 (flat groups) and stage 3
 // (units).
