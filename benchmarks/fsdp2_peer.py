@@ -10,13 +10,8 @@ on stdout: {"ok": true, "step_s": [...max over ranks per step], "peak_bytes": ma
 """
 import argparse, json, math, os, sys, time, traceback
 
-
-def rss(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+import peer_ranks
+from peer_ranks import rss
 
 
 def build(args, torch, nn, F):
@@ -60,7 +55,8 @@ def build(args, torch, nn, F):
     return Gpt()
 
 
-def rank_main(rank, args, port, out_dir):
+def rank_main(rank, args, out_dir):
+    port = args.port
     import torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist
     torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -72,8 +68,7 @@ def rank_main(rank, args, port, out_dir):
         if args.mode == "fsdp2":  # imported before the baseline, as zeal's code is loaded before its
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        peer_ranks.reset_peak()
         base = rss("VmRSS")
         torch.manual_seed(1234)
         model = build(args, torch, nn, F)
@@ -100,8 +95,7 @@ def rank_main(rank, args, port, out_dir):
     except Exception as e:  # the peer cannot run here: say why
         result = {"ok": False, "why": f"{type(e).__name__}: {e}".splitlines()[0][:400],
                   "trace": traceback.format_exc()[-2000:]}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    peer_ranks.write_result(out_dir, rank, result)
     try:
         dist.destroy_process_group()
     except Exception:
@@ -118,22 +112,11 @@ def main():
         p.add_argument("--" + name, type=int, default=default)
     args = p.parse_args()
     try:
-        import torch, torch.multiprocessing as mp
+        import torch  # noqa: F401
     except Exception as e:
         print(json.dumps({"ok": False, "why": f"cannot import torch: {e}"}))
         return
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(rank_main, args=(args, args.port, d), nprocs=args.world, start_method="spawn", join=True)
-        ranks = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(args.world)]
-    bad = [r for r in ranks if not r["ok"]]
-    if bad:
-        print(json.dumps({"ok": False, "why": bad[0]["why"], "trace": bad[0].get("trace", ""),
-                          "torch": torch.__version__}))
-        return
-    steps = [max(r["step_s"][i] for r in ranks) for i in range(args.steps)]
-    print(json.dumps({"ok": True, "step_s": steps, "peak_bytes": max(r["peak_bytes"] for r in ranks),
-                      "loss": ranks[0]["loss"], "torch": torch.__version__}))
+    peer_ranks.run(rank_main, args)
 
 
 if __name__ == "__main__":

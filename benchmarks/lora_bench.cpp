@@ -48,6 +48,7 @@
 #include "benchmarks/rounds.h"
 #include "engine/engine.h"
 #include "engine/memory.h"
+#include "engine/memory_tracker.h"
 #include "engine/peft/lora.h"
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
@@ -57,17 +58,6 @@ using nlohmann::json;
 namespace fs = std::filesystem;
 
 namespace {
-
-int64_t status_bytes(const char* field) {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(std::string(field).size() + 1)) * 1024;
-  }
-  return 0;
-}
-
-void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
 struct Options {
   std::string model_dir;
@@ -139,8 +129,8 @@ Run run_zeal(const Options& o, int stage, bool lora, bool big_threshold, const a
         c.zero.zero3_init_flag = stage == 3;
         zeal::Engine engine(c, rt);
         const auto cfg = zeal::models::BertConfig::from_file(o.model_dir + "/config.json");
-        reset_peak_rss();
-        const int64_t base = status_bytes("VmRSS:");
+        zeal::detail::reset_resident_peak();
+        const int64_t base = zeal::detail::resident_bytes();
         at::manual_seed(1234);
         auto model = engine.init<zeal::models::BertForSequenceClassification>(cfg, o.num_labels);
         zeal::PretrainedOptions lo;
@@ -175,7 +165,7 @@ Run run_zeal(const Options& o, int stage, bool lora, bool big_threshold, const a
           out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
         out.erase(out.begin());  // the warm-up step
-        out.push_back(double(status_bytes("VmHWM:") - base));
+        out.push_back(double(zeal::detail::resident_peak_bytes() - base));
         out.push_back(double(engine.num_trainable_parameters()));
         std::ofstream(dir + "/rank" + std::to_string(rank)) << json(out).dump();
       },

@@ -12,13 +12,8 @@ ranks, "trainable": count}, or {"ok": false, "why": "..."} when the peer cannot 
 """
 import argparse, json, os, traceback
 
-
-def rss(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+import peer_ranks
+from peer_ranks import rss
 
 
 def rank_main(rank, args, out_dir):
@@ -34,8 +29,7 @@ def rank_main(rank, args, out_dir):
         n = shape[0] * shape[1] * shape[2]
         ids = torch.from_file(args.ids, size=n * args.seq_len, dtype=torch.int64).view(*shape, args.seq_len)
         labels = torch.from_file(args.labels, size=n, dtype=torch.int64).view(*shape)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        peer_ranks.reset_peak()
         base = rss("VmRSS")
         torch.manual_seed(1234)
         model = transformers.BertForSequenceClassification.from_pretrained(args.model_dir, num_labels=args.num_labels)
@@ -64,8 +58,7 @@ def rank_main(rank, args, out_dir):
     except Exception as e:  # the peer cannot run here: say why
         result = {"ok": False, "why": f"{type(e).__name__}: {e}".splitlines()[0][:400],
                   "trace": traceback.format_exc()[-2000:]}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    peer_ranks.write_result(out_dir, rank, result)
     try:
         dist.destroy_process_group()
     except Exception:
@@ -84,24 +77,12 @@ def main():
     p.add_argument("--lora_dropout", type=float, default=0.1)
     args = p.parse_args()
     try:
-        import torch, torch.multiprocessing as mp
+        import torch  # noqa: F401
         import transformers, peft  # noqa: F401 (fail here, with the reason, when they are missing)
     except Exception as e:
         print(json.dumps({"ok": False, "why": f"cannot import torch, transformers and peft: {e} (scripts/peers)"}))
         return
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(rank_main, args=(args, d), nprocs=args.world, start_method="spawn", join=True)
-        ranks = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(args.world)]
-    bad = [r for r in ranks if not r["ok"]]
-    if bad:
-        print(json.dumps({"ok": False, "why": bad[0]["why"], "trace": bad[0].get("trace", ""),
-                          "torch": torch.__version__}))
-        return
-    steps = [max(r["step_s"][i] for r in ranks) for i in range(args.steps)]
-    print(json.dumps({"ok": True, "step_s": steps, "peak_bytes": max(r["peak_bytes"] for r in ranks),
-                      "loss": ranks[0]["loss"], "trainable": ranks[0]["trainable"], "torch": torch.__version__,
-                      "transformers": transformers.__version__, "peft": peft.__version__}))
+    peer_ranks.run(rank_main, args, extra=["trainable"])
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@
 #include "benchmarks/rounds.h"
 #include "engine/engine.h"
 #include "engine/memory.h"
+#include "engine/memory_tracker.h"
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
 #include "examples/models/gpt.h"
@@ -53,17 +54,6 @@
 using nlohmann::json;
 
 namespace {
-
-int64_t status_bytes(const char* field) {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(std::string(field).size() + 1)) * 1024;
-  }
-  return 0;
-}
-
-void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
 struct Options {
   std::string model = "gpt2-small";
@@ -142,8 +132,8 @@ Run run_zeal(const Options& o, int stage, bool fsdp_style, const at::Tensor& tok
         if (fsdp_style) apply_fsdp_style(c, cfg);
         c.gradient_clipping = {1.0, false};
         zeal::Engine engine(c, rt);
-        reset_peak_rss();
-        const int64_t base = status_bytes("VmRSS:");
+        zeal::detail::reset_resident_peak();
+        const int64_t base = zeal::detail::resident_bytes();
         at::manual_seed(1234);
         auto model = engine.init<zeal::models::Gpt>(cfg);
         torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
@@ -158,7 +148,7 @@ Run run_zeal(const Options& o, int stage, bool fsdp_style, const at::Tensor& tok
           times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
         times.erase(times.begin());  // the warm-up step
-        times.push_back(double(status_bytes("VmHWM:") - base));
+        times.push_back(double(zeal::detail::resident_peak_bytes() - base));
         times.push_back(double(engine.memory().model_states()));
         std::ofstream(dir + "/rank" + std::to_string(engine.process_index())) << json(times).dump();
       },

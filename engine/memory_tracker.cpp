@@ -63,6 +63,7 @@ int64_t runtime_baseline() {
 }
 int64_t resident_bytes() { return status_field("VmRSS"); }
 int64_t resident_peak_bytes() { return status_field("VmHWM"); }
+void reset_resident_peak() { reset_cpu_peak(); }
 }  // namespace detail
 
 MemoryTracker::MemoryTracker(Engine& engine, std::string phase) : engine_(engine) {
