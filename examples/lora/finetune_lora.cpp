@@ -8,8 +8,8 @@
 //       --data /tmp/packages.txt --out /tmp/lora_out
 //   ... --head_only     the baseline: the frozen model with only the head trained
 //
-// It prints PEFT's trainable-parameter line, the loss, the held-out accuracy, the engine's memory
-// report, then saves the adapter (PEFT's format), loads it back into the model, merges it
+// It prints PEFT's trainable-parameter line, the loss, the held-out accuracy, PEFT's memory lines
+// for every training epoch and evaluation (zeal::MemoryTracker), the engine's memory report, then saves the adapter (PEFT's format), loads it back into the model, merges it
 // (unit by unit under stage 3) and saves the merged model, checking the accuracy at each step.
 // The last line is "accuracy: <fraction>".
 #include <CLI/CLI.hpp>
@@ -35,6 +35,7 @@
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/memory.h"
+#include "engine/memory_tracker.h"
 #include "engine/peft/lora.h"
 #include "examples/common/flags.h"
 #include "examples/models/bert.h"
@@ -209,6 +210,7 @@ int main(int argc, char** argv) {
                              train.size(), valid.size(), names.size()));
 
     auto evaluate = [&](const std::string& what) {
+      zeal::MemoryTracker eval_phase(engine, "eval");  // PEFT's memory lines for the evaluation
       m->eval();
       c10::NoGradGuard no_grad;
       int64_t correct = 0, seen = 0;
@@ -224,11 +226,14 @@ int main(int argc, char** argv) {
       }
       const double acc = static_cast<double>(correct) / static_cast<double>(seen);
       engine.print(fmt::format("{}: held-out accuracy {:.4f} ({} of {})", what, acc, correct, seen));
+      eval_phase.end();
       return acc;
     };
     int64_t step = 0;
     double accuracy = 0;
+    // The seed's memory report for each epoch's training: before, consumed, peak, total peak (MB).
     for (int64_t ep = 0; ep < epochs; ++ep) {
+      zeal::MemoryTracker train_phase(engine, "train");
       m->train();
       for (auto& b : trainloader) {
         at::Tensor loss;
@@ -244,6 +249,7 @@ int main(int argc, char** argv) {
         }
         ++step;
       }
+      train_phase.end();
       accuracy = evaluate(fmt::format("epoch {}", ep));
     }
     const zeal::MemoryReport mem = engine.memory();

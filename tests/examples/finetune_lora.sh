@@ -20,6 +20,11 @@ for f in adapter/adapter_model.safetensors adapter/adapter_config.json merged/mo
   [ -s "$work/out/$f" ] || { echo "FAIL: $f was not written" >&2; exit 1; }
 done
 grep -q "trainable params: .* || all params: .* || trainable%: " <<<"$out" || { echo "FAIL: no PEFT line" >&2; exit 1; }
+# PEFT's memory lines: the four CPU lines for each of the 2 training epochs and for every evaluation.
+for phase in train eval; do
+  n=$(grep -c "^\[rank 0\] CPU Total Peak Memory consumed during the $phase (max): [0-9]*$" <<<"$out" || true)
+  [ "$n" -ge 2 ] || { echo "FAIL: $n memory reports for the $phase phase" >&2; exit 1; }
+done
 acc=$(printf '%s\n' "$out" | tail -n 1 | sed -n 's/^\[rank 0\] accuracy: \([0-9.]*\)$/\1/p')
 [ -n "$acc" ] || { echo "FAIL: the last line is not 'accuracy: <fraction>'" >&2; exit 1; }
 awk -v a="$acc" 'BEGIN { exit !(a > 0.5) }' || { echo "FAIL: accuracy $acc is not above 0.5 (chance: 0.33)" >&2; exit 1; }
