@@ -8,7 +8,7 @@ and the wall time of every step (forward, backward, clip, optimizer step). Print
 on stdout: {"ok": true, "step_s": [...max over ranks per step], "peak_bytes": max over ranks}, or
 {"ok": false, "why": "..."} when the peer cannot run here.
 """
-import argparse, json, math, os, sys, time, traceback
+import argparse, json, math, os, sys, time
 
 import peer_ranks
 from peer_ranks import rss
@@ -93,13 +93,8 @@ def rank_main(rank, args, out_dir):
             times.append(time.perf_counter() - t0)
         result = {"ok": True, "step_s": times[1:], "peak_bytes": rss("VmHWM") - base, "loss": float(loss.detach())}
     except Exception as e:  # the peer cannot run here: say why
-        result = {"ok": False, "why": f"{type(e).__name__}: {e}".splitlines()[0][:400],
-                  "trace": traceback.format_exc()[-2000:]}
-    peer_ranks.write_result(out_dir, rank, result)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+        result = peer_ranks.failure(e)
+    peer_ranks.finish(out_dir, rank, result)
 
 
 def main():

@@ -45,6 +45,7 @@
 #include <malloc.h>
 
 #include "benchmarks/peer_json.h"
+#include "benchmarks/rank_results.h"
 #include "benchmarks/rounds.h"
 #include "engine/engine.h"
 #include "engine/memory.h"
@@ -165,9 +166,8 @@ Run run_zeal(const Options& o, int stage, bool lora, bool big_threshold, const a
           out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
         out.erase(out.begin());  // the warm-up step
-        out.push_back(double(zeal::detail::resident_peak_bytes() - base));
-        out.push_back(double(engine.num_trainable_parameters()));
-        std::ofstream(dir + "/rank" + std::to_string(rank)) << json(out).dump();
+        zeal_bench::write_rank_result(dir, rank, out, double(zeal::detail::resident_peak_bytes() - base),
+                                      {double(engine.num_trainable_parameters())});
       },
       o.world, so);
   const std::string failure = zeal::describe_failures(results);
@@ -175,13 +175,10 @@ Run run_zeal(const Options& o, int stage, bool lora, bool big_threshold, const a
     row.why = failure;
     return row;
   }
-  row.step_s.assign(o.steps, 0);
-  for (int r = 0; r < o.world; ++r) {
-    json v = json::parse(std::ifstream(dir + "/rank" + std::to_string(r)));
-    for (int s = 0; s < o.steps; ++s) row.step_s[s] = std::max(row.step_s[s], v[s].get<double>());
-    row.peak_bytes = std::max(row.peak_bytes, v[o.steps].get<double>());
-    row.trainable = static_cast<int64_t>(v[o.steps + 1].get<double>());
-  }
+  const auto res = zeal_bench::read_rank_results(dir, o.world, o.steps, 1);
+  row.step_s = res.step_s;
+  row.peak_bytes = res.peak_bytes;
+  row.trainable = static_cast<int64_t>(res.extras[0]);
   row.ok = true;
   return row;
 }

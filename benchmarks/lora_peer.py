@@ -10,7 +10,7 @@ loaded, and the wall time of every step (forward, backward, optimizer step, zero
 JSON object on stdout: {"ok": true, "step_s": [max over ranks per step], "peak_bytes": max over
 ranks, "trainable": count}, or {"ok": false, "why": "..."} when the peer cannot run here.
 """
-import argparse, json, os, traceback
+import argparse, json, os
 
 import peer_ranks
 from peer_ranks import rss
@@ -56,13 +56,8 @@ def rank_main(rank, args, out_dir):
         result = {"ok": True, "step_s": times[1:], "peak_bytes": rss("VmHWM") - base, "loss": float(loss.detach()),
                   "trainable": sum(p.numel() for p in trainable)}
     except Exception as e:  # the peer cannot run here: say why
-        result = {"ok": False, "why": f"{type(e).__name__}: {e}".splitlines()[0][:400],
-                  "trace": traceback.format_exc()[-2000:]}
-    peer_ranks.write_result(out_dir, rank, result)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+        result = peer_ranks.failure(e)
+    peer_ranks.finish(out_dir, rank, result)
 
 
 def main():

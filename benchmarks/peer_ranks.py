@@ -20,9 +20,21 @@ def reset_peak():
         f.write("5")
 
 
-def write_result(out_dir, rank, result):
+def failure(e):
+    """A rank's result when the peer cannot run here: why, and the end of the trace."""
+    import traceback
+    return {"ok": False, "why": f"{type(e).__name__}: {e}".splitlines()[0][:400], "trace": traceback.format_exc()[-2000:]}
+
+
+def finish(out_dir, rank, result):
+    """Writes the rank's result for run() and leaves the process group."""
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    try:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 (already gone, or never made)
+        pass
 
 
 def run(rank_main, args, extra=None):

@@ -43,6 +43,7 @@
 #include <ATen/Parallel.h>
 
 #include "benchmarks/peer_json.h"
+#include "benchmarks/rank_results.h"
 #include "benchmarks/rounds.h"
 #include "engine/engine.h"
 #include "engine/memory.h"
@@ -148,9 +149,8 @@ Run run_zeal(const Options& o, int stage, bool fsdp_style, const at::Tensor& tok
           times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
         times.erase(times.begin());  // the warm-up step
-        times.push_back(double(zeal::detail::resident_peak_bytes() - base));
-        times.push_back(double(engine.memory().model_states()));
-        std::ofstream(dir + "/rank" + std::to_string(engine.process_index())) << json(times).dump();
+        zeal_bench::write_rank_result(dir, engine.process_index(), times, double(zeal::detail::resident_peak_bytes() - base),
+                                      {double(engine.memory().model_states())});
       },
       o.world, so);
   const std::string failure = zeal::describe_failures(results);
@@ -158,13 +158,10 @@ Run run_zeal(const Options& o, int stage, bool fsdp_style, const at::Tensor& tok
     row.why = failure;
     return row;
   }
-  row.step_s.assign(o.steps, 0);
-  for (int r = 0; r < o.world; ++r) {
-    json v = json::parse(std::ifstream(dir + "/rank" + std::to_string(r)));
-    for (int s = 0; s < o.steps; ++s) row.step_s[s] = std::max(row.step_s[s], v[s].get<double>());
-    row.peak_bytes = std::max(row.peak_bytes, v[o.steps].get<double>());
-    row.model_state_bytes = std::max(row.model_state_bytes, v[o.steps + 1].get<double>());
-  }
+  const auto res = zeal_bench::read_rank_results(dir, o.world, o.steps, 1);
+  row.step_s = res.step_s;
+  row.peak_bytes = res.peak_bytes;
+  row.model_state_bytes = res.extras[0];
   row.ok = true;
   return row;
 }

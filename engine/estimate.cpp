@@ -237,7 +237,7 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   p.model_state_bytes = static_cast<int64_t>(states);
   // Offload buffers: NVMe windows (three sets of master, m, v plus gradient and result windows);
   // CPU offload: the step's gradient and result buffers.
-  const double window = std::min({static_cast<double>(r.sub_group_size), 16777216.0, mo_share});
+  const double window = std::min({static_cast<double>(r.sub_group_size), static_cast<double>(kMaxNvmeWindowElems), mo_share});
   if (r.offload_optimizer == Offload::kNvme) {
     add("offload windows", (12.0 * std::clamp(r.buffer_count, 1, 3) + 4 + P) * window, "host");
   } else if (r.offload_optimizer == Offload::kCpu) {

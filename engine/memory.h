@@ -49,6 +49,11 @@ struct StageModel {
 };
 double expected_model_state_bytes(const StageModel& m);
 
+// offload_optimizer.device nvme: the most elements one optimizer window holds, whatever
+// sub_group_size says — beyond a few dozen MiB a window only costs host memory (three buffer sets of
+// master, m and v).
+constexpr int64_t kMaxNvmeWindowElems = int64_t{1} << 24;
+
 // 1536 → "1.5 KiB".
 std::string format_bytes(double bytes);
 
