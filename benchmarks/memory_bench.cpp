@@ -1,5 +1,5 @@
 // memory_bench: what each rank holds at its peak for every ZeRO stage × offload choice, measured,
-// against DESIGN.md's stage table (model states only) and against `zeal estimate-memory`'s
+// against the ZeRO stage table (docs/concepts.md) (model states only) and against `zeal estimate-memory`'s
 // prediction of the peak. Each configuration is a real run: `zeal launch --verbose` of
 // build/bin/train_gpt (--model, 2 ranks by default, fp32, configs/zero3.yaml with --zero_stage and
 // the offload flags), a few steps.

@@ -1,4 +1,4 @@
-// Engine::save_state and Engine::load_state (README.md, "Checkpoints").
+// Engine::save_state and Engine::load_state (docs/checkpoints.md).
 //
 // The format is canonical per parameter, whatever the stage and world size that wrote it: every
 // named parameter's flattened elements are cut into contiguous pieces, each piece written once, by

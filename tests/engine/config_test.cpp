@@ -401,9 +401,9 @@ TEST(Config, KeyReferenceCoversEveryKeyTheIssueNames) {
   }
 }
 
-// README lists every key zeal accepts without effect, with its reason, as the schema has it.
+// docs/configuration.md lists every key zeal accepts without effect, with its reason, as the schema has it.
 TEST(ConfigDocs, ReadmeListsEveryKeyAcceptedWithoutEffect) {
-  std::ifstream f(std::string(ZEAL_SOURCE_DIR) + "/README.md");
+  std::ifstream f(std::string(ZEAL_SOURCE_DIR) + "/docs/configuration.md");
   const std::string readme((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   for (const auto& [key, why] : zeal::config_detail::not_applicable_keys()) {
     EXPECT_NE(readme.find("| `" + key + "` | " + why + " |"), std::string::npos) << key;

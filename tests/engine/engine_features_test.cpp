@@ -1,5 +1,5 @@
 // zeal::Engine features on several ranks: bf16 against fp32, fp16 overflow handling, frozen
-// parameters, memory accounting against DESIGN.md's stage table, the prepared data loader with
+// parameters, memory accounting against the ZeRO stage table (docs/concepts.md), the prepared data loader with
 // gather_for_metrics, accumulation at the end of the data, schedules from the config, and the
 // collectives on results.
 #include "tests/engine/engine_harness.h"
@@ -166,7 +166,7 @@ TEST(Frozen, EmbeddingsStayBitForBitAndTheRestMatches) {
   }
 }
 
-// Accounting: params + grads + master + optimizer states per rank against DESIGN.md's table, up to
+// Accounting: params + grads + master + optimizer states per rank against the ZeRO stage table (docs/concepts.md), up to
 // the shard padding.
 TEST(Accounting, ModelStatesMatchTheStageTable) {
   for (const char* precision : {"no", "bf16"}) {

@@ -1,5 +1,5 @@
 // Memory measured at LibTorch's CPU allocator (zeal::CpuMemoryCounter), not reported by the engine:
-// what each stage holds between steps against DESIGN.md's stage table computed here from the
+// what each stage holds between steps against the ZeRO stage table (docs/concepts.md) computed here from the
 // model's sizes, and the root unit released while the optimizer step runs.
 #include <torch/optim/sgd.h>
 

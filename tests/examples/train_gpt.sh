@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # examples/models/train_gpt launched as the README shows: 2 ranks, configs/zero3.yaml with the
-# persistence threshold at 0 (every block gathered and released), the tiny preset on README.md's
+# persistence threshold at 0 (every block gathered and released), the tiny preset on README.md's and docs/'s
 # bytes. The JSON log must have one line per step and the loss of the last 5 steps must be at least
 # 0.5 below the first 5 steps'. An unknown preset must fail naming --model and the known presets.
 set -euo pipefail
@@ -13,7 +13,7 @@ trap 'rm -f "$log" "$config" "$resumed"; rm -rf "$ckpt"' EXIT
 out=$(mktemp)
 trap 'rm -f "$log" "$config" "$resumed" "$out"; rm -rf "$ckpt"' EXIT
 "$zeal" launch --num_processes 2 --main_process_port 29533 "$train_gpt" --config_file "$config" --model tiny --steps 40 --seq_len 32 --micro_batch 8 \
-  --data README.md --log_every 10 --log_jsonl "$log" --save_dir "$ckpt" --save_every 10 | tee "$out"
+  --data README.md docs/*.md --log_every 10 --log_jsonl "$log" --save_dir "$ckpt" --save_every 10 | tee "$out"
 # The memory report: PEFT's four CPU lines for the train phase, whole MB, total = before + peak.
 mb() { sed -n "s/^\[rank 0\] CPU $1 the train $2: \([0-9-]*\)$/\1/p" "$out"; }
 before=$(mb "Memory before entering" "") consumed=$(mb "Memory consumed at the end of" "(end-begin)")
@@ -36,18 +36,18 @@ grep -q '"gathered_peak_bytes": [1-9]' "$log" || { echo "FAIL: no gathered bytes
 [ "$(cat "$ckpt/latest")" = step_40 ] || { echo "FAIL: latest is '$(cat "$ckpt/latest")', not step_40" >&2; exit 1; }
 losses() { sed 's/.*"loss": \([0-9.]*\).*/\1/' "$1"; }
 "$zeal" launch --num_processes 2 --main_process_port 29536 "$train_gpt" --config_file "$config" --model tiny --steps 20 --seq_len 32 --micro_batch 8 \
-  --data README.md --log_every 10 --log_jsonl "$resumed" --resume "$ckpt/step_10"
+  --data README.md docs/*.md --log_every 10 --log_jsonl "$resumed" --resume "$ckpt/step_10"
 [ "$(losses "$resumed")" = "$(losses "$log" | sed -n 11,20p)" ] ||
   { echo "FAIL: resumed at step 10, the losses differ:" >&2; paste <(losses "$log" | sed -n 11,20p) <(losses "$resumed") >&2; exit 1; }
 "$zeal" launch --num_processes 1 --main_process_port 29537 "$train_gpt" --config_file "$config" --model tiny --steps 20 --seq_len 32 --micro_batch 16 \
-  --data README.md --log_every 10 --log_jsonl "$resumed" --resume "$ckpt/step_10"
+  --data README.md docs/*.md --log_every 10 --log_jsonl "$resumed" --resume "$ckpt/step_10"
 paste <(losses "$log" | sed -n 11,20p) <(losses "$resumed") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-3) bad = 1 } END { exit bad }' ||
   { echo "FAIL: resumed on 1 rank, the losses differ:" >&2; paste <(losses "$log" | sed -n 11,20p) <(losses "$resumed") >&2; exit 1; }
 echo "PASS: resumed from step 10 on 2 ranks (same losses) and on 1 rank (within 1e-3)"
 # The reference config of ZeRO-3 with the optimizer and parameters offloaded to the CPU, unchanged.
 : > "$log"
 "$zeal" launch --num_processes 2 --main_process_port 29534 "$train_gpt" --config_file configs/ds_zero3_cpu.yaml --model tiny --steps 40 --seq_len 32 --micro_batch 8 \
-  --data README.md --log_every 10 --log_jsonl "$log"
+  --data README.md docs/*.md --log_every 10 --log_jsonl "$log"
 first_off=$(head -n 5 "$log" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END {print s/NR}')
 last_off=$(tail -n 5 "$log" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END {print s/NR}')
 awk -v a="$first_off" -v b="$last_off" 'BEGIN { exit !(b <= a - 0.5) }' ||
@@ -66,7 +66,7 @@ nvme_run() {  # config file, log
   : > "$2"
   "$zeal" launch --num_processes 2 --main_process_port 29535 --offload_param_nvme_path "$swap" \
     --offload_optimizer_nvme_path "$swap" "$train_gpt" --config_file "$1" --model tiny --steps 40 --seq_len 32 \
-    --micro_batch 8 --data README.md --log_every 10 --log_jsonl "$2"
+    --micro_batch 8 --data README.md docs/*.md --log_every 10 --log_jsonl "$2"
   local a b
   a=$(head -n 5 "$2" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END {print s/NR}')
   b=$(tail -n 5 "$2" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END {print s/NR}')
@@ -89,7 +89,7 @@ disk_blocks=$(disk "$log")
 echo "PASS: on disk $disk_shipped bytes (optimizer state), $disk_blocks with the blocks' parameters"
 # --eval_every: the held-out loss at steps 5 and 10 in the log, and the eval phase's report.
 "$zeal" launch --num_processes 2 --main_process_port 29537 "$train_gpt" --config_file "$config" --model tiny --steps 10 --seq_len 32 --micro_batch 8 \
-  --data README.md --eval_every 5 --log_jsonl "$resumed" > "$out"
+  --data README.md docs/*.md --eval_every 5 --log_jsonl "$resumed" > "$out"
 [ "$(grep -c '"eval_loss": [0-9]' "$resumed")" -eq 2 ] && sed -n 5p "$resumed" | grep -q '"eval_loss"' ||
   { echo "FAIL: --eval_every 5 over 10 steps did not log two held-out losses at steps 5 and 10" >&2; cat "$resumed" >&2; exit 1; }
 grep -q '^\[rank 0\] CPU Total Peak Memory consumed during the eval (max): [0-9]' "$out" ||
