@@ -175,17 +175,29 @@ std::string accelerate_yaml(std::map<std::string, std::string> a) {
 void write_atomically(const std::string& path, const std::string& text) {
   namespace fs = std::filesystem;
   fs::path p(path);
-  if (p.has_parent_path()) fs::create_directories(p.parent_path());
+  std::error_code ec;
+  if (fs::is_directory(p, ec)) throw Error(fmt::format("{}: is a directory; give a file name for the config", path));
+  if (p.has_parent_path()) {
+    fs::create_directories(p.parent_path(), ec);
+    if (ec) throw Error(fmt::format("{}: cannot create its folder: {}", path, ec.message()));
+  }
+  // The temporary is written beside the target and never left behind, whatever fails.
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
     out << text;
     out.flush();
-    if (!out) throw Error(fmt::format("{}: cannot write the config file", tmp));
+    if (!out) {
+      fs::remove(tmp, ec);
+      throw Error(fmt::format("{}: cannot write the config file", path));
+    }
   }
-  std::error_code ec;
   fs::rename(tmp, p, ec);
-  if (ec) throw Error(fmt::format("{}: cannot rename into place: {}", path, ec.message()));
+  if (ec) {
+    const std::string why = ec.message();
+    fs::remove(tmp, ec);
+    throw Error(fmt::format("{}: cannot rename into place: {}", path, why));
+  }
 }
 
 void print_warnings(const std::vector<std::string>& warnings, const Config& c) {
@@ -281,9 +293,14 @@ Runner add_config_command(CLI::App& app) {
     if (keys->parsed()) {
       if (st->markdown) {
         std::printf("| key | type | default | meaning |\n|---|---|---|---|\n");
+        // A "|" inside a cell (NO|MULTI_CPU) would end it: Markdown's escape keeps it in.
+        auto cell = [](std::string text) {
+          for (size_t at = text.find('|'); at != std::string::npos; at = text.find('|', at + 2)) text.insert(at, "\\");
+          return text;
+        };
         for (const auto& k : config_keys())
-          std::printf("| `%s` | %s | `%s` | %s |\n", k.key.c_str(), k.type.c_str(), k.default_value.c_str(),
-                      k.description.c_str());
+          std::printf("| `%s` | %s | `%s` | %s |\n", k.key.c_str(), cell(k.type).c_str(), cell(k.default_value).c_str(),
+                      cell(k.description).c_str());
       } else {
         for (const auto& k : config_keys())
           std::printf("%-62s %-18s %-14s %s\n", k.key.c_str(), k.type.c_str(), k.default_value.c_str(),

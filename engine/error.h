@@ -18,6 +18,7 @@ class Error : public std::runtime_error {
 // One or more problems found in a configuration; what() lists them one per line.
 class ConfigError : public Error {
  public:
+  static constexpr size_t kShown = 20;  // problems in what(); problems() has them all
   explicit ConfigError(std::vector<std::string> problems);
   const std::vector<std::string>& problems() const { return problems_; }
 

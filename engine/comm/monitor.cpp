@@ -1,6 +1,7 @@
 #include "engine/comm/monitor.h"
 
 #include <map>
+#include <type_traits>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -21,7 +22,58 @@ std::string rank_list(const std::vector<int>& ranks) {
   return s;
 }
 
+std::string& store_host_name() {
+  static std::string who = "rank 0, which hosts the rendezvous store,";
+  return who;
+}
+
+// The deadline for one store call of the reports and the heartbeat: a live store answers in
+// milliseconds, so a few seconds without an answer mean its host is not running.
+constexpr auto kStoreCall = std::chrono::milliseconds(5000);
+
+// `f(store)` under `deadline` (see run_bounded); `f` must own what it uses (it may outlive the caller).
+template <class F>
+auto on_store(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds deadline, const char* what, F f) {
+  using R = decltype(f(*store));
+  if constexpr (std::is_void_v<R>) {
+    run_bounded([store, f] { f(*store); }, deadline, what);
+  } else {
+    return bounded<R>([store, f] { return f(*store); }, deadline, what);
+  }
+}
+
 }  // namespace
+
+void set_store_host(const std::string& who) { store_host_name() = who; }
+const std::string& store_host() { return store_host_name(); }
+
+void run_bounded(const std::function<void()>& op, std::chrono::milliseconds deadline, const std::string& what) {
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::exception_ptr error;
+  };
+  auto state = std::make_shared<State>();
+  std::thread([op, state] {
+    std::exception_ptr error;
+    try {
+      op();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->done = true;
+    state->error = error;
+    state->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(state->mu);
+  if (!state->cv.wait_for(lock, deadline, [&] { return state->done; })) {
+    throw StoreSilent(fmt::format("{} no answer from the store within {:g} s: {} is not responding (stopped, hung or "
+                                  "gone)", what, deadline.count() / 1000.0, store_host()));
+  }
+  if (state->error) std::rethrow_exception(state->error);
+}
 
 std::string OpInfo::signature() const {
   std::string s = fmt::format("{} of {} {}", name, numel, dtype);
@@ -74,7 +126,9 @@ void Monitor::heartbeat() {
     const std::string value = fmt::format("{} {} {}", current_.seq, ++beat, current_.describe());
     lock.unlock();
     try {
-      store_->set(fmt::format("{}progress/{}", prefix_, rank_), to_bytes(value));
+      auto store = store_;
+      const std::string key = fmt::format("{}progress/{}", prefix_, rank_);
+      run_bounded([store, key, value] { store->set(key, to_bytes(value)); }, kStoreCall, "posting progress:");
     } catch (const std::exception&) {
       // The store is gone (rank 0 exited): the collective itself will report the failure.
     }
@@ -107,11 +161,21 @@ void Monitor::set_progress(int64_t step, int64_t micro_step) {
 
 void Monitor::compare(const OpInfo& op) {
   const std::string mine = op.signature();
-  store_->set(fmt::format("{}debug/{}/{}", prefix_, op.seq, rank_), to_bytes(mine));
+  const std::string mine_key = fmt::format("{}debug/{}/{}", prefix_, op.seq, rank_);
+  try {
+    on_store(store_, kStoreCall, "ZEAL_DEBUG_COLLECTIVES check-in:",
+             [mine_key, mine](c10d::Store& s) { s.set(mine_key, to_bytes(mine)); });
+  } catch (const StoreSilent& e) {
+    throw CommError(fmt::format("rank {}: {}", rank_, e.what()), op.name, op.seq, {});
+  }
   std::vector<std::string> keys;
   for (int r = 0; r < world_; ++r) keys.push_back(fmt::format("{}debug/{}/{}", prefix_, op.seq, r));
+  const auto t = timeout();
   try {
-    store_->wait(keys, timeout());
+    on_store(store_, t + kStoreCall, "ZEAL_DEBUG_COLLECTIVES check-in:", [keys, t](c10d::Store& s) { s.wait(keys, t); });
+  } catch (const StoreSilent& e) {
+    store_silent_ = true;
+    fail(op, e.what());
   } catch (const std::exception& e) {
     const std::string what = e.what();
     fail(op, "ZEAL_DEBUG_COLLECTIVES check-in timed out: " + what.substr(0, what.find('\n')));
@@ -119,7 +183,14 @@ void Monitor::compare(const OpInfo& op) {
   std::vector<std::string> lines;
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
-    const std::string theirs = to_text(store_->get(keys[r]));
+    std::string theirs;
+    try {
+      theirs = on_store(store_, kStoreCall, "ZEAL_DEBUG_COLLECTIVES check-in:",
+                        [key = keys[r]](c10d::Store& s) { return to_text(s.get(key)); });
+    } catch (const StoreSilent& e) {
+      store_silent_ = true;
+      fail(op, e.what());
+    }
     if (theirs != mine) {
       lines.push_back(fmt::format("rank {} called {}, rank {} called {}", rank_, mine, r, theirs));
     }
@@ -127,7 +198,8 @@ void Monitor::compare(const OpInfo& op) {
   if (op.seq > 2) {
     // Every rank has posted op.seq - 1, so all have finished comparing op.seq - 2.
     try {
-      store_->deleteKey(fmt::format("{}debug/{}/{}", prefix_, op.seq - 2, rank_));
+      on_store(store_, kStoreCall, "", [key = fmt::format("{}debug/{}/{}", prefix_, op.seq - 2, rank_)](
+                                           c10d::Store& s) { s.deleteKey(key); });
     } catch (const std::exception&) {
     }
   }
@@ -145,15 +217,21 @@ std::vector<Monitor::Peer> Monitor::read_peers() {
     for (int r = 0; r < world_; ++r) {
       if (r == rank_) continue;
       const std::string key = fmt::format("{}progress/{}", prefix_, r);
+      if (store_silent_) continue;
       try {
-        if (store_->check({key})) states[r] = to_text(store_->get(key));
+        auto store = store_;
+        states[r] = bounded<std::string>(
+            [store, key] { return store->check({key}) ? to_text(store->get(key)) : std::string(); }, kStoreCall,
+            "reading rank progress:");
+      } catch (const StoreSilent&) {
+        store_silent_ = true;
       } catch (const std::exception&) {
       }
     }
     return states;
   };
   const auto first = read_all();
-  std::this_thread::sleep_for(kAliveEvery * 3);
+  if (!store_silent_) std::this_thread::sleep_for(kAliveEvery * 3);
   const auto second = read_all();
   std::vector<Peer> peers(world_);
   for (int r = 0; r < world_; ++r) {
@@ -180,7 +258,7 @@ void Monitor::fail(const OpInfo& op, const std::string& cause) {
     if (!p.known) {
       missing.push_back(r);
       all_same = false;
-      where.push_back(fmt::format("rank {}: unknown (the store is unreachable)", r));
+      if (!store_silent_) where.push_back(fmt::format("rank {}: unknown (the store is unreachable)", r));
       continue;
     }
     const std::string life = p.alive ? "" : " and is not responding (exited, crashed or stopped?)";
@@ -207,8 +285,13 @@ void Monitor::fail(const OpInfo& op, const std::string& cause) {
   } else if (all_same) {
     msg += "\n  every rank reached it";
   }
+  if (store_silent_) {
+    msg += fmt::format("\n  {} is not responding: the store did not answer within {:g} s (stopped, hung or gone)",
+                       store_host(), kStoreCall.count() / 1000.0);
+  }
   for (const auto& w : where) msg += "\n  " + w;
-  msg += "\n  Every rank must issue the same collectives in the same order; run with ZEAL_DEBUG_COLLECTIVES=1 to check.";
+  if (!store_silent_)
+    msg += "\n  Every rank must issue the same collectives in the same order; run with ZEAL_DEBUG_COLLECTIVES=1 to check.";
   throw CommError(msg, op.name, op.seq, missing);
 }
 
@@ -223,11 +306,16 @@ void Monitor::check_agreement(const std::string& where) {
   agreement_hash_ = 1469598103934665603ull;
   recent_.clear();
   if (world_ == 1) return;
-  store_->set(fmt::format("{}agree/{}/{}", prefix_, k, rank_), to_bytes(record));
   std::vector<std::string> keys;
   for (int r = 0; r < world_; ++r) keys.push_back(fmt::format("{}agree/{}/{}", prefix_, k, r));
+  const std::string agreement = fmt::format("agreement point #{} ({}):", k, where);
+  const auto t = timeout();
   try {
-    store_->wait(keys, timeout());
+    on_store(store_, kStoreCall, agreement.c_str(),
+             [key = keys[rank_], record](c10d::Store& s) { s.set(key, to_bytes(record)); });
+    on_store(store_, t + kStoreCall, agreement.c_str(), [keys, t](c10d::Store& s) { s.wait(keys, t); });
+  } catch (const StoreSilent& e) {
+    throw CommError(fmt::format("rank {}: {}", rank_, e.what()), "agreement(" + where + ")", seq_.load(), {});
   } catch (const std::exception&) {
     std::vector<int> missing;
     std::string msg = fmt::format("rank {}: agreement point #{} ({}) was not reached by every rank within {:g} s", rank_,
@@ -236,9 +324,13 @@ void Monitor::check_agreement(const std::string& where) {
     for (int r = 0; r < world_; ++r) {
       if (r == rank_) continue;
       bool arrived = false;
-      try {
-        arrived = store_->check({keys[r]});
-      } catch (const std::exception&) {
+      if (!store_silent_) {
+        try {
+          arrived = on_store(store_, kStoreCall, "", [key = keys[r]](c10d::Store& s) { return s.check({key}); });
+        } catch (const StoreSilent&) {
+          store_silent_ = true;
+        } catch (const std::exception&) {
+        }
       }
       if (arrived) continue;
       missing.push_back(r);
@@ -247,7 +339,7 @@ void Monitor::check_agreement(const std::string& where) {
                                    p.alive ? "" : " and is not responding (exited, crashed or stopped?)")
                      : fmt::format("\n  rank {} did not arrive (its progress is unknown)", r);
     }
-    msg += "\n  Every rank must run the same engine calls in the same order (see README, \"Collective calls\").";
+    msg += "\n  Every rank must run the same engine calls in the same order (see docs/concepts.md, \"Collective calls\").";
     throw CommError(msg, "agreement(" + where + ")", seq_.load(), missing);
   }
   std::vector<std::string> lines;
@@ -260,7 +352,13 @@ void Monitor::check_agreement(const std::string& where) {
   const std::vector<std::string> mine = split(record);
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
-    const std::vector<std::string> theirs = split(to_text(store_->get(keys[r])));
+    std::vector<std::string> theirs;
+    try {
+      theirs = split(on_store(store_, kStoreCall, agreement.c_str(),
+                              [key = keys[r]](c10d::Store& s) { return to_text(s.get(key)); }));
+    } catch (const StoreSilent& e) {
+      throw CommError(fmt::format("rank {}: {}", rank_, e.what()), "agreement(" + where + ")", seq_.load(), {});
+    }
     if (!theirs.empty() && theirs[0] == head) continue;
     // Name the first collective where the two records part, else the point each rank reached.
     std::string first;
@@ -290,7 +388,8 @@ void Monitor::check_agreement(const std::string& where) {
   }
   if (k > 2) {
     try {
-      store_->deleteKey(fmt::format("{}agree/{}/{}", prefix_, k - 2, rank_));
+      on_store(store_, kStoreCall, "", [key = fmt::format("{}agree/{}/{}", prefix_, k - 2, rank_)](
+                                           c10d::Store& s) { s.deleteKey(key); });
     } catch (const std::exception&) {
     }
   }

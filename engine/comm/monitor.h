@@ -13,6 +13,9 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
+#include <memory>
+#include <stdexcept>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -67,6 +70,7 @@ class Monitor {
     std::string what;  // its describe()
   };
   std::vector<Peer> read_peers();
+  bool store_silent_ = false;  // a store call of the reports went unanswered: do not wait on it again
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::string prefix_;
@@ -85,6 +89,26 @@ class Monitor {
   bool stop_ = false;
   std::thread thread_;
 };
+
+// Store calls that cannot block forever. A TCPStore client waits on its socket without a deadline
+// for check, get and set: when the store's host is stopped (SIGSTOP, a debugger, swapped out)
+// every other rank would hang inside the call, whatever comm_timeout says. The call runs on a
+// worker thread instead; the caller waits at most `deadline` and otherwise gets StoreSilent naming
+// the store's host. An abandoned worker keeps its own reference to the store and ends with it.
+struct StoreSilent : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+void run_bounded(const std::function<void()>& op, std::chrono::milliseconds deadline, const std::string& what);
+template <class T>
+T bounded(const std::function<T()>& op, std::chrono::milliseconds deadline, const std::string& what) {
+  auto result = std::make_shared<T>();
+  run_bounded([op, result] { *result = op(); }, deadline, what);
+  return std::move(*result);
+}
+// Who hosts the store, as the reports name it: "rank 0, which hosts the rendezvous store" by
+// default; zeal::spawn's children name their parent.
+void set_store_host(const std::string& who);
+const std::string& store_host();
 
 // "float32", "bfloat16", … for a c10 scalar type name.
 std::string dtype_name(const std::string& c10_name);

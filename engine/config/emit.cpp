@@ -1,5 +1,6 @@
 // Printing a Config back as YAML (`zeal config show`) and the key reference (`zeal config keys`).
 #include <cstdlib>
+#include <set>
 #include <sstream>
 
 #include "engine/config/config.h"
@@ -25,6 +26,15 @@ std::string Config::to_yaml(bool with_origins) const {
     // Without a type, optimizer and scheduler params are all defaults (validate() enforces it).
     if (optimizer.type.empty() && f.key.rfind("optimizer.params.", 0) == 0) continue;
     if (scheduler.type.empty() && f.key.rfind("scheduler.params.", 0) == 0) continue;
+    // The other optimizer family's settings are left out (validate() refuses them when given).
+    static const std::set<std::string> sgd_only = {"optimizer.params.momentum", "optimizer.params.nesterov"};
+    static const std::set<std::string> adam_only = {"optimizer.params.betas", "optimizer.params.eps",
+                                                    "optimizer.params.adam_w_mode", "optimizer.params.bias_correction",
+                                                    "optimizer.params.amsgrad"};
+    if ((optimizer.type == "SGD" ? adam_only : sgd_only).count(f.key)) {
+      const auto o = origins.find(f.key);
+      if (o == origins.end() || o->second.kind == Origin::Kind::kDefault) continue;
+    }
     std::vector<std::string> parts = split_key(f.key);
     std::vector<std::string> section(parts.begin(), parts.end() - 1);
     size_t common = 0;
@@ -32,6 +42,14 @@ std::string Config::to_yaml(bool with_origins) const {
     for (size_t i = common; i < section.size(); ++i)
       out << std::string(2 * i, ' ') << section[i] << ":\n";
     open = section;
+    // An unset batch size is left out (0 is not a value a file may give); it is derived at the start.
+    const Auto<int64_t>* batch = f.key == "train_batch_size"                 ? &train_batch_size
+                                 : f.key == "train_micro_batch_size_per_gpu" ? &train_micro_batch_size_per_gpu
+                                                                             : nullptr;
+    if (batch && !batch->is_auto && batch->value == 0) {
+      out << std::string(2 * section.size(), ' ') << "# " << parts.back() << ": left out, derived at the start\n";
+      continue;
+    }
     out << std::string(2 * section.size(), ' ') << parts.back() << ": " << f.print(*this);
     if (with_origins) {
       auto it = origins.find(f.key);

@@ -1,7 +1,10 @@
 // Reading config files: zeal's own keys (DeepSpeed's plus Accelerate's top level), Accelerate's
 // deepspeed_config / fsdp_config sections, DeepSpeed files named by deepspeed_config_file, and
 // overrides from the environment and flags.
+#include <cctype>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -10,6 +13,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include "engine/config/config.h"
@@ -21,16 +25,109 @@ namespace zeal {
 namespace cd = config_detail;
 namespace {
 
+constexpr uintmax_t kMaxConfigBytes = 16u << 20;
+
 std::string location(const std::string& file, const YAML::Node& n) {
   const YAML::Mark m = n.Mark();
   if (m.is_null()) return file;
   return fmt::format("{}:{}:{}", file, m.line + 1, m.column + 1);
 }
 
-std::string join_keys(const std::vector<std::string>& keys) {
-  std::string out;
-  for (const auto& k : keys) out += (out.empty() ? "" : ", ") + k;
-  return out;
+// JSON's trailing commas (`[1, 2,]`, `{"a": 1,}`): YAML reads them, DeepSpeed's json.load does not,
+// so a .json file with one would work here and fail there. Returns "line:col" of the first, or "".
+std::string trailing_comma(const std::string& text) {
+  bool in_string = false;
+  int line = 1, col = 0, comma_line = 0, comma_col = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
+    ++col;
+    if (ch == '\n') ++line, col = 0;
+    if (in_string) {
+      if (ch == '\\') ++i, ++col;
+      else if (ch == '"') in_string = false;
+      continue;
+    }
+    if (ch == '"') in_string = true, comma_line = 0;
+    else if (ch == ',') comma_line = line, comma_col = col;
+    else if ((ch == '}' || ch == ']') && comma_line) return fmt::format("{}:{}", comma_line, comma_col);
+    else if (!std::isspace(static_cast<unsigned char>(ch))) comma_line = 0;
+  }
+  return "";
+}
+
+// Where a second document with content starts, if the text has one. yaml-cpp's LoadAll can loop
+// forever on some malformed input (it keeps returning empty documents), so the documents are
+// walked as events, a bounded number of times.
+class DocumentCounter : public YAML::EventHandler {
+ public:
+  void OnDocumentStart(const YAML::Mark&) override { content_ = false; }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark& m, YAML::anchor_t) override { note(m, false); }
+  void OnAlias(const YAML::Mark& m, YAML::anchor_t) override { note(m, true); }
+  void OnScalar(const YAML::Mark& m, const std::string&, YAML::anchor_t, const std::string&) override { note(m, true); }
+  void OnSequenceStart(const YAML::Mark& m, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+    note(m, true);
+  }
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark& m, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+    note(m, true);
+  }
+  void OnMapEnd() override {}
+  bool content() const { return content_; }
+  const YAML::Mark& first() const { return first_; }
+
+ private:
+  void note(const YAML::Mark& m, bool content) {
+    if (content && !content_) first_ = m;
+    content_ = content_ || content;
+  }
+  bool content_ = false;
+  YAML::Mark first_;
+};
+
+std::optional<YAML::Mark> second_document(const std::string& text) {
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  DocumentCounter counter;
+  int with_content = 0;
+  for (int i = 0; i < 64 && parser.HandleNextDocument(counter); ++i) {
+    if (counter.content() && ++with_content == 2) return counter.first();
+  }
+  return std::nullopt;
+}
+
+// One config document from `text`: a YAML syntax error, a second document (after `---`) or, in a
+// .json file, a trailing comma is a problem naming the file and line; never a silent default.
+std::optional<YAML::Node> read_document(const std::string& text, const std::string& name,
+                                        std::vector<std::string>& errors) {
+  const std::string ext = std::filesystem::path(name).extension().string();
+  if (ext == ".json" || ext == ".JSON") {
+    if (const std::string at = trailing_comma(text); !at.empty()) {
+      errors.push_back(fmt::format("{}:{}: trailing comma: JSON does not allow one (DeepSpeed's json.load would "
+                                   "refuse this file)", name, at));
+      return std::nullopt;
+    }
+  }
+  YAML::Node root;
+  std::optional<YAML::Mark> second;
+  try {
+    root = YAML::Load(text);
+    second = second_document(text);
+  } catch (const YAML::ParserException& e) {
+    errors.push_back(fmt::format("{}:{}:{}: YAML syntax error: {}", name, e.mark.line + 1, e.mark.column + 1, e.msg));
+    return std::nullopt;
+  } catch (const YAML::Exception& e) {
+    // yaml-cpp's DeepRecursion and the like: no line to give beyond its own.
+    errors.push_back(fmt::format("{}: cannot read as YAML: {}", name, e.msg.empty() ? e.what() : e.msg));
+    return std::nullopt;
+  }
+  if (second) {
+    errors.push_back(fmt::format("{}:{}:{}: a second YAML document would be ignored; a config file holds one "
+                                 "document — remove the `---` or split the file",
+                                 name, second->line + 1, second->column + 1));
+    return std::nullopt;
+  }
+  return root;
 }
 
 bool is_empty(const YAML::Node& n) { return n.IsNull() || (n.IsMap() && n.size() == 0); }
@@ -122,22 +219,33 @@ class Loader {
   }
 
   void load_file(const std::string& path) {
-    YAML::Node root;
-    if (!std::filesystem::exists(path)) {
+    std::error_code ec;
+    if (!std::filesystem::exists(path, ec)) {
       errors_.push_back(fmt::format("{}: no such config file", path));
       return;
     }
-    try {
-      root = YAML::LoadFile(path);
-    } catch (const YAML::ParserException& e) {
-      errors_.push_back(fmt::format("{}:{}:{}: YAML syntax error: {}", path, e.mark.line + 1,
-                                    e.mark.column + 1, e.msg));
-      return;
-    } catch (const YAML::BadFile&) {
-      errors_.push_back(fmt::format("{}: cannot read the file", path));
+    if (std::filesystem::is_directory(path, ec)) {
+      errors_.push_back(fmt::format("{}: is a directory, not a config file", path));
       return;
     }
-    load_root(root, path);
+    // At most kMaxConfigBytes are read: a device (/dev/zero) or an endless pipe is refused, not read forever.
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+      errors_.push_back(fmt::format("{}: cannot open the file: {}", path, std::strerror(errno)));
+      return;
+    }
+    std::string text(kMaxConfigBytes + 1, '\0');
+    in.read(text.data(), static_cast<std::streamsize>(text.size()));
+    if (in.bad()) {
+      errors_.push_back(fmt::format("{}: cannot read the file: {}", path, std::strerror(errno)));
+      return;
+    }
+    text.resize(static_cast<size_t>(in.gcount()));
+    if (text.size() > kMaxConfigBytes) {
+      errors_.push_back(fmt::format("{}: more than {} MiB; a config file is smaller", path, kMaxConfigBytes >> 20));
+      return;
+    }
+    if (auto root = read_document(text, path, errors_)) load_root(*root, path);
   }
 
   // Sets canonical `key` from `value`; records the origin or an error naming both.
@@ -282,7 +390,7 @@ class Loader {
         std::string hint = cd::find_field(key) || cd::is_section(key)
                                ? fmt::format("DeepSpeed keys go in a file named by deepspeed_config_file or at "
                                              "the top level, not inside deepspeed_config")
-                           : best.empty() ? "valid keys: " + join_keys(names)
+                           : best.empty() ? fmt::format("no deepspeed_config key is like it ({} are known)", names.size())
                                           : fmt::format("did you mean deepspeed_config.{}?", best);
         error(location(file, kv.first), "deepspeed_config." + key, "unknown key; " + hint);
       }
@@ -411,7 +519,7 @@ class Loader {
             "fsdp_backward_prefetch_policy", "fsdp_version", "fsdp_reshard_after_forward"};
         const std::string best = cd::closest(known, key);
         error(location(file, kv.first), shown,
-              best.empty() ? "unknown key; valid keys: " + join_keys(known)
+              best.empty() ? "unknown key; no fsdp_config key is like it"
                            : fmt::format("unknown key; did you mean fsdp_config.{}?", best));
       }
     }
@@ -493,11 +601,7 @@ Config Config::load(const std::string& path, bool apply_env) {
 Config Config::parse(const std::string& text, const std::string& name, bool apply_env) {
   Config c;
   std::vector<std::string> errors;
-  try {
-    Loader(c, errors).load_root(YAML::Load(text), name);
-  } catch (const YAML::ParserException& e) {
-    errors.push_back(fmt::format("{}:{}:{}: YAML syntax error: {}", name, e.mark.line + 1, e.mark.column + 1, e.msg));
-  }
+  if (auto root = read_document(text, name, errors)) Loader(c, errors).load_root(*root, name);
   if (apply_env && errors.empty()) apply_environment(c, errors);
   return finish(std::move(c), std::move(errors));
 }

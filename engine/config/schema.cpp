@@ -256,10 +256,10 @@ std::vector<Field> make_fields() {
   f.push_back(enum_field("mixed_precision", ZEAL_GET(mixed_precision), {"no", "fp16", "bf16"},
                          "Compute precision; sets fp16.enabled / bf16.enabled"));
   // Batch sizes and steps (DeepSpeed's top-level keys).
-  f.push_back(auto_int("train_batch_size", ZEAL_GET(train_batch_size), 0,
-                       "Global batch: micro × accumulation × world (0: derived)"));
-  f.push_back(auto_int("train_micro_batch_size_per_gpu", ZEAL_GET(train_micro_batch_size_per_gpu), 0,
-                       "Batch per rank per micro-step (0: from the data loader)"));
+  f.push_back(auto_int("train_batch_size", ZEAL_GET(train_batch_size), 1,
+                       "Global batch: micro × accumulation × world (left out: derived)"));
+  f.push_back(auto_int("train_micro_batch_size_per_gpu", ZEAL_GET(train_micro_batch_size_per_gpu), 1,
+                       "Batch per rank per micro-step (left out: from the data loader)"));
   f.push_back(auto_int("gradient_accumulation_steps", ZEAL_GET(gradient_accumulation_steps), 1,
                        "Micro-steps per optimizer step"));
   f.push_back(auto_float("gradient_clipping", ZEAL_GET(gradient_clipping), kNonNegative,
@@ -616,7 +616,9 @@ std::string suggest(const std::string& section, const std::string& unknown) {
   if (std::string best = closest(candidates, unknown); !best.empty())
     return fmt::format("did you mean {}?", section.empty() ? best : section + "." + best);
   std::vector<std::string> valid = keys_under(section);
-  return "valid keys here: " + join(valid, ", ");
+  if (valid.size() <= 8) return "valid keys here: " + join(valid, ", ");
+  return fmt::format("no key like it {}; `zeal config keys` lists all {} keys there",
+                     section.empty() ? std::string("at the top level") : "under " + section, valid.size());
 }
 
 std::string scalar_text(const YAML::Node& n) { return kind_of(n); }

@@ -1,5 +1,7 @@
 // Derivations, contradictions and "auto" resolution.
+#include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -29,6 +31,20 @@ std::string named(const Config& c, const std::string& key) {
 
 void derive(Config& c, const std::string& key, const std::string& why) {
   if (!explicitly_set(c, key)) c.origins[key] = {Origin::Kind::kDefault, why};
+}
+
+// a × b × c, or nothing where the product does not fit in 64 bits.
+std::optional<int64_t> product(int64_t a, int64_t b, int64_t c) {
+  int64_t ab = 0, abc = 0;
+  if (__builtin_mul_overflow(a, b, &ab) || __builtin_mul_overflow(ab, c, &abc)) return std::nullopt;
+  return abc;
+}
+
+std::string overflow_text(const Config& c, int64_t micro, int64_t accum, int64_t world) {
+  return fmt::format("train_micro_batch_size_per_gpu {} × gradient_accumulation_steps {} × world size {} does not "
+                     "fit in 64 bits ({}; {})",
+                     micro, accum, world, origin_of(c, "train_micro_batch_size_per_gpu").describe(),
+                     origin_of(c, "gradient_accumulation_steps").describe());
 }
 
 }  // namespace
@@ -144,18 +160,23 @@ void finalize(Config& c, std::vector<std::string>& errors) {
   const bool accum_given = explicitly_set(c, "gradient_accumulation_steps") && known(accum);
   if (known(tbs) && known(micro) && !accum_given && !accum.is_auto &&
       !explicitly_set(c, "gradient_accumulation_steps")) {
-    if (tbs.value % (micro.value * world) == 0) {
-      accum.value = tbs.value / (micro.value * world);
+    const auto per_step = product(micro.value, 1, world);
+    if (per_step && tbs.value % *per_step == 0) {
+      accum.value = tbs.value / *per_step;
       derive(c, "gradient_accumulation_steps", "train_batch_size / (micro batch × world)");
     }
   } else if (known(tbs) && !micro.is_auto && micro.value == 0 && known(accum)) {
-    if (tbs.value % (accum.value * world) == 0) {
-      micro.value = tbs.value / (accum.value * world);
+    const auto per_sample = product(accum.value, 1, world);
+    if (per_sample && tbs.value % *per_sample == 0) {
+      micro.value = tbs.value / *per_sample;
       derive(c, "train_micro_batch_size_per_gpu", "train_batch_size / (accumulation × world)");
     }
   } else if (!explicitly_set(c, "train_batch_size") && known(micro) && known(accum)) {
-    tbs.value = micro.value * accum.value * world;
-    derive(c, "train_batch_size", "micro batch × accumulation × world");
+    // An overflowing product is left unset here and named by validate().
+    if (const auto all = product(micro.value, accum.value, world)) {
+      tbs.value = *all;
+      derive(c, "train_batch_size", "micro batch × accumulation × world");
+    }
   }
 }
 
@@ -211,12 +232,15 @@ std::vector<std::string> Config::validate() const {
   const auto& tbs = train_batch_size;
   const auto& micro = train_micro_batch_size_per_gpu;
   const auto& accum = gradient_accumulation_steps;
-  if (!tbs.is_auto && !micro.is_auto && !accum.is_auto && tbs.value > 0 && micro.value > 0 &&
-      tbs.value != micro.value * accum.value * world)
+  const auto all = product(micro.value, accum.value, world);
+  if (!micro.is_auto && !accum.is_auto && micro.value > 0 && !all)
+    errors.push_back(overflow_text(*this, micro.value, accum.value, world));
+  else if (!tbs.is_auto && !micro.is_auto && !accum.is_auto && tbs.value > 0 && micro.value > 0 &&
+           tbs.value != *all)
     errors.push_back(fmt::format(
         "train_batch_size {} ≠ train_micro_batch_size_per_gpu {} × gradient_accumulation_steps {} × world size {} "
         "= {} ({}; {}; {})",
-        tbs.value, micro.value, accum.value, world, micro.value * accum.value * world,
+        tbs.value, micro.value, accum.value, world, *all,
         origin_of(*this, "train_batch_size").describe(), origin_of(*this, "train_micro_batch_size_per_gpu").describe(),
         origin_of(*this, "gradient_accumulation_steps").describe()));
   else if (!tbs.is_auto && tbs.value > 0 && (micro.value == 0 || accum.value == 0) && !micro.is_auto &&
@@ -323,15 +347,18 @@ void Config::resolve_auto(const ProgramValues& v) {
   }
   auto& accum = gradient_accumulation_steps;
   if (accum.is_auto) {
-    if (!train_batch_size.is_auto && train_batch_size.value > 0 && micro.value > 0) {
-      accum = {train_batch_size.value / (micro.value * world), false};
+    const auto per_step = product(micro.value, 1, world);
+    if (!train_batch_size.is_auto && train_batch_size.value > 0 && micro.value > 0 && per_step) {
+      accum = {std::max<int64_t>(1, train_batch_size.value / *per_step), false};
     } else {
       accum = {1, false};
     }
     origins["gradient_accumulation_steps"] = program("derived");
   }
   if (train_batch_size.is_auto || (train_batch_size.value == 0 && micro.value > 0)) {
-    train_batch_size = {micro.value * accum.value * world, false};
+    const auto all = product(micro.value, accum.value, world);
+    if (!all) throw ConfigError({overflow_text(*this, micro.value, accum.value, world)});
+    train_batch_size = {*all, false};
     origins["train_batch_size"] = program("micro batch × accumulation × world");
   }
   if (gradient_clipping.is_auto) gradient_clipping = {1.0, false};

@@ -5,7 +5,9 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/sysinfo.h>
 #include <sys/wait.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -22,6 +24,7 @@
 
 #include "engine/error.h"
 #include "engine/launch/binding.h"
+#include "engine/memory_tracker.h"
 
 namespace zeal {
 namespace {
@@ -103,6 +106,9 @@ class Group {
   explicit Group(const LaunchOptions& o) : o_(o) {}
 
   int run() {
+    // Signals are caught before the first rank starts: a SIGTERM while ranks are still being
+    // started reaches the ones already running instead of orphaning them.
+    install_handlers();
     start_all();
     loop();
     return finish();
@@ -147,8 +153,35 @@ class Group {
         std::fprintf(stderr, "zeal launch: rank %d (local %d): %s\n", r.global, l,
                      b ? b->describe().c_str() : "not bound");
       }
+      if (pending_signal()) break;  // stopped while starting: start no more
       spawn(r, env, b);
     }
+  }
+
+  void install_handlers() {
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGINT, &sa, &old_int_);
+    sigaction(SIGTERM, &sa, &old_term_);
+    sigaction(SIGHUP, &sa, &old_hup_);
+    sigaction(SIGCHLD, &sa, &old_chld_);
+  }
+
+  // True when a stopping signal is waiting in the pipe (left there for loop() to act on).
+  bool pending_signal() {
+    pollfd p{g_signal_pipe[0], POLLIN, 0};
+    if (poll(&p, 1, 0) <= 0) return false;
+    unsigned char sigs[64];
+    const ssize_t k = read(g_signal_pipe[0], sigs, sizeof sigs);
+    bool stop = false;
+    for (ssize_t i = 0; i < k; ++i) {
+      if (sigs[i] == SIGCHLD) continue;
+      stop = true;
+      early_signals_.push_back(sigs[i]);
+    }
+    return stop;
   }
 
   void spawn(Rank& r, const std::map<std::string, std::string>& env, const CpuBinding* b) {
@@ -157,12 +190,16 @@ class Group {
     const pid_t pid = fork();
     if (pid < 0) throw Error(std::string("fork: ") + std::strerror(errno));
     if (pid == 0) {
+      // The rank dies with the launcher, even when the launcher is killed with SIGKILL.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent_) _exit(127);  // the launcher died before the line above
       setpgid(0, 0);
       sigset_t none;
       sigemptyset(&none);
       sigprocmask(SIG_SETMASK, &none, nullptr);
       signal(SIGINT, SIG_DFL);
       signal(SIGTERM, SIG_DFL);
+      signal(SIGHUP, SIG_DFL);
       signal(SIGCHLD, SIG_DFL);
       signal(SIGPIPE, SIG_DFL);
       dup2(out[1], 1);
@@ -269,6 +306,11 @@ class Group {
         r.max_rss = static_cast<int64_t>(usage.ru_maxrss) * 1024;  // KiB on Linux
         // The rank is gone; anything it started in its group goes too.
         kill(-r.pid, SIGKILL);
+        if (!failed(status) && !stopping_ && !early_exit_) {
+          early_exit_ = true;
+          early_exit_rank_ = r.global;
+          early_exit_at_ = Clock::now();
+        }
         if (failed(status) && !stopping_ && first_failure_ < 0) {
           first_failure_ = r.local;
           const int others = static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), [](const Rank& x) { return x.running; }));
@@ -281,16 +323,45 @@ class Group {
     }
   }
 
+  // A rank that exited 0 while others still run after a few seconds: they may be waiting for it
+  // in a collective, which fails only after comm_timeout. Said once, at once.
+  void report_early_exit() {
+    if (!early_exit_ || early_exit_reported_ || stopping_) return;
+    if (Clock::now() - early_exit_at_ < kEarlyExitNotice) return;
+    std::string still;
+    int n = 0;
+    for (const auto& r : ranks_) {
+      if (!r.running) continue;
+      still += fmt::format("{}{}", still.empty() ? "" : ", ", r.global);
+      ++n;
+    }
+    if (n == 0) return;
+    early_exit_reported_ = true;
+    std::fprintf(stderr,
+                 "zeal launch: rank %d exited with status 0 %.0f s ago while rank%s %s still run%s; if %s waiting for "
+                 "it in a collective, %s fail after comm_timeout\n",
+                 early_exit_rank_, std::chrono::duration<double>(Clock::now() - early_exit_at_).count(),
+                 n == 1 ? "" : "s", still.c_str(), n == 1 ? "s" : "", n == 1 ? "it is" : "they are",
+                 n == 1 ? "it will" : "they will");
+  }
+
+  void on_stop_signal(int sig) {
+    if (interrupted_by_ == 0) {
+      interrupted_by_ = sig;
+      std::fprintf(stderr, "zeal launch: received %s; passing it to every rank\n", sigabbrev_np(sig));
+      // The first signal goes through as it came (SIGINT lets a program save and exit);
+      // the grace period then ends in SIGKILL.
+      begin_stop(sig);
+    } else {
+      signal_all(SIGKILL);
+    }
+  }
+
   void loop() {
-    struct sigaction sa {};
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESTART;
-    sigaction(SIGINT, &sa, &old_int_);
-    sigaction(SIGTERM, &sa, &old_term_);
-    sigaction(SIGCHLD, &sa, &old_chld_);
+    for (int sig : early_signals_) on_stop_signal(sig);
     for (;;) {
       reap();
+      report_early_exit();
       const bool any_running = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; });
       std::vector<pollfd> fds;
       std::vector<std::pair<Rank*, Stream*>> owners;
@@ -309,7 +380,7 @@ class Group {
         for (size_t i = 1; i < fds.size(); ++i) drain(*owners[i].first, *owners[i].second);
         return;
       }
-      int timeout_ms = 1000;
+      int timeout_ms = early_exit_ && !early_exit_reported_ ? 250 : 1000;
       if (stopping_) {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(kill_deadline_ - Clock::now()).count();
         if (left <= 0) {
@@ -326,16 +397,7 @@ class Group {
         unsigned char sigs[64];
         const ssize_t k = read(g_signal_pipe[0], sigs, sizeof sigs);
         for (ssize_t i = 0; i < k; ++i) {
-          if (sigs[i] == SIGCHLD) continue;
-          if (interrupted_by_ == 0) {
-            interrupted_by_ = sigs[i];
-            std::fprintf(stderr, "zeal launch: received %s; passing it to every rank\n", sigabbrev_np(sigs[i]));
-            // The first signal goes through as it came (SIGINT lets a program save and exit);
-            // the grace period then ends in SIGKILL.
-            begin_stop(sigs[i]);
-          } else {
-            signal_all(SIGKILL);
-          }
+          if (sigs[i] != SIGCHLD) on_stop_signal(sigs[i]);
         }
       }
       for (size_t i = 1; i < fds.size(); ++i) {
@@ -348,6 +410,7 @@ class Group {
     if (!bar_.empty()) write_all(1, "\n");  // a bar whose rank ended without its newline
     sigaction(SIGINT, &old_int_, nullptr);
     sigaction(SIGTERM, &old_term_, nullptr);
+    sigaction(SIGHUP, &old_hup_, nullptr);
     sigaction(SIGCHLD, &old_chld_, nullptr);
     for (auto& r : ranks_) {
       for (Stream* s : {&r.out, &r.err}) {
@@ -391,8 +454,36 @@ class Group {
   Clock::time_point kill_deadline_{};
   int first_failure_ = -1;
   int interrupted_by_ = 0;
-  struct sigaction old_int_ {}, old_term_ {}, old_chld_ {};
+  std::vector<int> early_signals_;  // stopping signals that came while ranks were being started
+  const pid_t parent_ = getpid();
+  static constexpr auto kEarlyExitNotice = std::chrono::seconds(5);
+  bool early_exit_ = false, early_exit_reported_ = false;
+  int early_exit_rank_ = -1;
+  Clock::time_point early_exit_at_{};
+  struct sigaction old_int_ {}, old_term_ {}, old_hup_ {}, old_chld_ {};
 };
+
+// More ranks than cores, or more than memory holds: said before anything starts, with the numbers.
+// A rank's memory is at least what a process that loaded LibTorch holds (this one's resident set).
+void warn_about_capacity(const LaunchOptions& o) {
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  if (cores > 0 && o.nproc_per_node > cores) {
+    std::fprintf(stderr, "zeal launch: warning: %d ranks on %ld cores: ranks will share cores and run slower\n",
+                 o.nproc_per_node, cores);
+  }
+  struct sysinfo si {};
+  if (sysinfo(&si) != 0) return;
+  const double total = static_cast<double>(si.totalram) * si.mem_unit;
+  const double per_rank = static_cast<double>(std::max<int64_t>(detail::resident_bytes(), 64ll << 20));
+  const double need = per_rank * o.nproc_per_node;
+  if (need > 0.8 * total) {
+    std::fprintf(stderr,
+                 "zeal launch: warning: %d ranks need at least %.1f GiB (%.0f MiB each before any model: a LibTorch "
+                 "process's resident set), but this machine has %.1f GiB of memory: expect them to run out of "
+                 "memory; start fewer ranks (--num_processes)\n",
+                 o.nproc_per_node, need / (1 << 30), per_rank / (1 << 20), total / (1 << 30));
+  }
+}
 
 }  // namespace
 
@@ -419,6 +510,10 @@ int launch(const LaunchOptions& o) {
     throw Error(fmt::format("--node_rank {} is outside 0..{} for --nnodes {}", o.node_rank, o.nnodes - 1, o.nnodes));
   }
   if (o.master_port < 1 || o.master_port > 65535) throw Error(fmt::format("--master_port {} is not a TCP port", o.master_port));
+  if (!(o.grace_seconds >= 0.0 && o.grace_seconds <= 3600.0)) {
+    throw Error(fmt::format("--stop_grace {}: expected seconds from 0 to 3600", o.grace_seconds));
+  }
+  warn_about_capacity(o);
   if (!program_exists(o.command[0])) {
     throw Error(fmt::format("cannot find the program '{}' (not a path to an executable, and not on PATH)", o.command[0]));
   }

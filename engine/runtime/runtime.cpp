@@ -1,20 +1,27 @@
 #include "engine/runtime/runtime.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <netdb.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <utility>
+#include <sstream>
 
 #include <fmt/format.h>
 
 #include "engine/comm/backends.h"
+#include "engine/comm/monitor.h"
 #include "engine/comm/staging.h"
 #include "engine/runtime/device_choice.h"
 #include "engine/config/config.h"
@@ -28,6 +35,21 @@ std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; 
 std::string text(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
 
 int g_rank_for_terminate = -1;
+
+// The settings every rank must share ("key=value" lines), taken from the config by
+// Runtime(const Config&) for the rendezvous to compare; empty when the runtime was built without one.
+std::string g_settings;
+
+DistEnv note_settings(const Config& c) {
+  auto device = [](OffloadDevice d) { return d == OffloadDevice::kCpu ? "cpu" : d == OffloadDevice::kNvme ? "nvme" : "none"; };
+  g_settings = fmt::format("zero_optimization.stage={}\nmixed_precision={}\nzero_optimization.offload_optimizer.device={}\n"
+                           "zero_optimization.offload_param.device={}\ngradient_accumulation_steps={}\n",
+                           c.zero.stage, c.mixed_precision, device(c.zero.offload_optimizer.device),
+                           device(c.zero.offload_param.device),
+                           c.gradient_accumulation_steps.is_auto ? std::string("auto")
+                                                                 : std::to_string(c.gradient_accumulation_steps.value));
+  return DistEnv::from_environment(&c);
+}
 
 [[noreturn]] void report_and_exit() {
   std::string what = "unknown exception";
@@ -52,20 +74,54 @@ bool env_flag(const char* name) {
   return v && *v && std::string(v) != "0" && std::string(v) != "false";
 }
 
+// How long a rank tries to reach the store: ZEAL_CONNECT_TIMEOUT seconds, 120 by default (ranks of
+// other machines may start a little later; a store silent for two minutes is not coming).
+std::chrono::milliseconds connect_timeout() {
+  double seconds = 120.0;
+  if (const char* v = std::getenv("ZEAL_CONNECT_TIMEOUT"); v && *v) {
+    char* end = nullptr;
+    const double d = std::strtod(v, &end);
+    if (!end || *end || !(d > 0) || d > 1e6)
+      throw Error(fmt::format("ZEAL_CONNECT_TIMEOUT={}: expected seconds, a number > 0 and ≤ 1e6", v));
+    seconds = d;
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+
+// Silences c10 logs below fatal for its lifetime, unless ZEAL_DEBUG is set.
+class QuietC10dLogs {
+ public:
+  QuietC10dLogs() : saved_(FLAGS_caffe2_log_level) {
+    if (!env_flag("ZEAL_DEBUG")) FLAGS_caffe2_log_level = std::max(saved_, 3);
+  }
+  ~QuietC10dLogs() { FLAGS_caffe2_log_level = saved_; }
+  QuietC10dLogs(const QuietC10dLogs&) = delete;
+  QuietC10dLogs& operator=(const QuietC10dLogs&) = delete;
+
+ private:
+  int saved_;
+};
+
 // Meets every rank through the store: each posts its world size and host, then waits for all.
-void check_in_unguarded(c10d::Store& store, const DistEnv& e, std::chrono::milliseconds timeout) {
+void check_in_unguarded(const c10::intrusive_ptr<c10d::Store>& store, const DistEnv& e,
+                        std::chrono::milliseconds timeout, const std::string& settings) {
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
-  store.set(fmt::format("zeal/rdzv/{}", e.rank),
-            bytes(fmt::format("{} {} {} {}", e.world_size, e.local_rank, host, static_cast<int>(getpid()))));
+  const auto call = std::chrono::milliseconds(10000);
+  const std::string mine = fmt::format("{} {} {} {}", e.world_size, e.local_rank, host, static_cast<int>(getpid()));
+  detail::run_bounded([store, key = fmt::format("zeal/rdzv/{}", e.rank), mine] { store->set(key, bytes(mine)); },
+                      call, "rendezvous:");
   std::vector<std::string> keys;
   for (int r = 0; r < e.world_size; ++r) keys.push_back(fmt::format("zeal/rdzv/{}", r));
   try {
-    store.wait(keys, timeout);
+    detail::run_bounded([store, keys, timeout] { store->wait(keys, timeout); }, timeout + call, "rendezvous:");
+  } catch (const detail::StoreSilent&) {
+    throw;
   } catch (const std::exception&) {
     std::vector<int> missing;
     for (int r = 0; r < e.world_size; ++r) {
-      if (!store.check({keys[r]})) missing.push_back(r);
+      if (!detail::bounded<bool>([store, key = keys[r]] { return store->check({key}); }, call, "rendezvous:"))
+        missing.push_back(r);
     }
     std::string list;
     for (int r : missing) list += (list.empty() ? "" : ", ") + std::to_string(r);
@@ -77,7 +133,8 @@ void check_in_unguarded(c10d::Store& store, const DistEnv& e, std::chrono::milli
   }
   // Every rank must agree on the world size.
   for (int r = 0; r < e.world_size; ++r) {
-    const std::string v = text(store.get(keys[r]));
+    const std::string v =
+        detail::bounded<std::string>([store, key = keys[r]] { return text(store->get(key)); }, call, "rendezvous:");
     const int their_world = std::atoi(v.c_str());
     if (their_world != e.world_size) {
       throw Error(fmt::format("rank {} was started with WORLD_SIZE={} but rank {} with WORLD_SIZE={} ({}): every "
@@ -85,11 +142,38 @@ void check_in_unguarded(c10d::Store& store, const DistEnv& e, std::chrono::milli
                               e.rank, e.world_size, r, their_world, v.substr(v.find(' ') + 1)));
     }
   }
+  // And on the settings that decide which collectives run: a rank at another ZeRO stage would
+  // otherwise be reported as "not in any collective" much later.
+  if (settings.empty()) return;
+  const std::string mine_settings = settings;
+  detail::run_bounded([store, key = fmt::format("zeal/rdzv/settings/{}", e.rank), mine_settings] {
+    store->set(key, bytes(mine_settings));
+  }, call, "rendezvous:");
+  std::vector<std::string> setting_keys;
+  for (int r = 0; r < e.world_size; ++r) setting_keys.push_back(fmt::format("zeal/rdzv/settings/{}", r));
+  detail::run_bounded([store, setting_keys, timeout] { store->wait(setting_keys, timeout); }, timeout + call,
+                      "rendezvous:");
+  for (int r = 0; r < e.world_size; ++r) {
+    if (r == e.rank) continue;
+    const std::string theirs = detail::bounded<std::string>(
+        [store, key = setting_keys[r]] { return text(store->get(key)); }, call, "rendezvous:");
+    if (theirs == mine_settings) continue;
+    // "key=value" lines: name the first that differs.
+    std::istringstream a(mine_settings), b(theirs);
+    for (std::string x, y; std::getline(a, x) && std::getline(b, y);) {
+      if (x == y) continue;
+      const std::string key = x.substr(0, x.find('='));
+      throw Error(fmt::format("rank {} was started with {} {} but rank {} with {}: every rank must run with the same "
+                              "config (check the files and overrides each machine was given)",
+                              e.rank, key, x.substr(x.find('=') + 1), r, y.substr(y.find('=') + 1)));
+    }
+  }
 }
 
-void check_in(c10d::Store& store, const DistEnv& e, std::chrono::milliseconds timeout) {
+void check_in(const c10::intrusive_ptr<c10d::Store>& store, const DistEnv& e, std::chrono::milliseconds timeout,
+              const std::string& settings) {
   try {
-    check_in_unguarded(store, e, timeout);
+    check_in_unguarded(store, e, timeout, settings);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& ex) {
@@ -112,10 +196,11 @@ struct Runtime::Impl {
 };
 
 Runtime::Runtime(const Config& config)
-    : Runtime(DistEnv::from_environment(&config), RuntimeOptions{config.launch.comm_timeout}) {}
+    : Runtime(note_settings(config), RuntimeOptions{config.launch.comm_timeout}) {}
 
 Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
+  const std::string settings = std::exchange(g_settings, std::string());  // from Runtime(const Config&), if so
   m.env = env;
   m.options = options;
   m.options.debug_collectives = options.debug_collectives || env_flag("ZEAL_DEBUG_COLLECTIVES");
@@ -134,6 +219,7 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
   struct sigaction pipe_action {};
   if (sigaction(SIGPIPE, nullptr, &pipe_action) == 0 && pipe_action.sa_handler == SIG_DFL) signal(SIGPIPE, SIG_IGN);
 
+  if (options.store_hosted_elsewhere) detail::set_store_host("the parent process (zeal::spawn), which hosts the store,");
   if (env.world_size == 1) {
     m.store = c10::make_intrusive<c10d::HashStore>();
   } else {
@@ -141,9 +227,28 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
     o.port = static_cast<uint16_t>(env.master_port);
     o.isServer = env.rank == 0 && !options.store_hosted_elsewhere;
     o.waitWorkers = false;
-    o.timeout = m.timeout;
+    // Connecting has its own, shorter deadline: a store that does not answer in that time will not.
+    const auto connect = std::min(m.timeout, connect_timeout());
+    o.timeout = connect;
+    if (!o.isServer) {
+      // A name that does not resolve never will: say so now instead of retrying for the deadline.
+      addrinfo hints{};
+      hints.ai_socktype = SOCK_STREAM;
+      addrinfo* found = nullptr;
+      const int rc = getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &found);
+      if (found) freeaddrinfo(found);
+      if (rc != 0) {
+        throw Error(fmt::format("rank {}: the rendezvous address \"{}\" (main_process_ip / MASTER_ADDR) does not "
+                                "resolve: {}",
+                                env.rank, env.master_addr, gai_strerror(rc)));
+      }
+    }
     try {
+      // c10d logs a warning with a C++ backtrace for every failed connection attempt; the error
+      // below says it once (ZEAL_DEBUG=1 shows them).
+      QuietC10dLogs quiet;
       m.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+      m.store->setTimeout(m.timeout);
     } catch (const std::exception& e) {
       if (o.isServer) {
         throw Error(fmt::format("rank 0 cannot host the rendezvous store on port {}: {}. Another job may hold the "
@@ -151,11 +256,12 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
                                 env.master_port, first_line(e.what())));
       }
       throw Error(fmt::format("rank {} cannot reach the rendezvous store at {}:{} within {:g} s (rank 0 hosts it: is "
-                              "it running, is MASTER_ADDR/main_process_ip right, is the port open?): {}",
-                              env.rank, env.master_addr, env.master_port, options.comm_timeout,
-                              first_line(e.what())));
+                              "it running, is MASTER_ADDR/main_process_ip right, is the port open? ZEAL_CONNECT_TIMEOUT "
+                              "sets this deadline): {}",
+                              env.rank, env.master_addr, env.master_port, connect.count() / 1000.0,
+                              first_line(without_backtrace(e.what()))));
     }
-    check_in(*m.store, env, m.timeout);
+    check_in(m.store, env, m.timeout, settings);
   }
   // CUDA tensors are staged through pinned host memory, so ranks that share a GPU can train.
   m.gloo = detail::make_staging_communicator(detail::make_gloo_communicator(
@@ -188,14 +294,27 @@ Communicator& Runtime::cuda_comm() {
   return *impl_->nccl;
 }
 
-void Runtime::store_set(const std::string& key, const std::string& value) { impl_->store->set("user/" + key, bytes(value)); }
-
-std::string Runtime::store_get(const std::string& key) {
-  impl_->store->wait({"user/" + key}, impl_->timeout);
-  return text(impl_->store->get("user/" + key));
+// The program's store calls, each under comm_timeout (plus a margin for the wait's own deadline):
+// a stopped store host is an error naming it, not a hang.
+void Runtime::store_set(const std::string& key, const std::string& value) {
+  detail::run_bounded([store = impl_->store, key = "user/" + key, v = bytes(value)] { store->set(key, v); },
+                      impl_->timeout, fmt::format("rank {}: store_set({}):", rank(), key));
 }
 
-int64_t Runtime::store_add(const std::string& key, int64_t delta) { return impl_->store->add("user/" + key, delta); }
+std::string Runtime::store_get(const std::string& key) {
+  const auto t = impl_->timeout;
+  return detail::bounded<std::string>(
+      [store = impl_->store, key = "user/" + key, t] {
+        store->wait({key}, t);
+        return text(store->get(key));
+      },
+      t + std::chrono::seconds(10), fmt::format("rank {}: store_get({}):", rank(), key));
+}
+
+int64_t Runtime::store_add(const std::string& key, int64_t delta) {
+  return detail::bounded<int64_t>([store = impl_->store, key = "user/" + key, delta] { return store->add(key, delta); },
+                                  impl_->timeout, fmt::format("rank {}: store_add({}):", rank(), key));
+}
 
 #ifndef ZEAL_HAVE_NCCL
 namespace detail {

@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -86,9 +87,13 @@ std::vector<RankResult> spawn(const std::function<void(Runtime&)>& fn, int nproc
     if (pipe2(fds, O_CLOEXEC) != 0 || pipe2(go_fds, O_CLOEXEC) != 0) {
       throw Error(std::string("spawn: pipe: ") + std::strerror(errno));
     }
+    const pid_t parent = getpid();
     const pid_t pid = fork();
     if (pid < 0) throw Error(std::string("spawn: fork: ") + std::strerror(errno));
     if (pid == 0) {
+      // A rank never outlives the process that spawned it (killed with SIGKILL included).
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(1);
       close(fds[0]);
       close(go_fds[1]);
       run_child(fn, r, nprocs, go_fds[0], fds[1], o);

@@ -152,9 +152,8 @@ int main(int argc, char** argv) {
       engine.print(fmt::format("ep: {}, acc: {:.4f} ({} of {} held-out reviews)", ep, accuracy, correct, seen));
     }
     engine.print(fmt::format("accuracy: {:.4f}", accuracy));
-  } catch (const zeal::Error& e) {
-    std::cerr << "classify: " << e.what() << "\n";
-    return 1;
+  } catch (const std::exception& e) {
+    return zeal_examples::report_failure("classify", e);
   }
   return 0;
 }

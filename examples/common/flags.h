@@ -5,11 +5,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <limits>
 #include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
+
+#include "engine/error.h"
 
 namespace zeal_examples {
 
@@ -44,6 +47,14 @@ inline CLI::Validator non_negative_finite() {
         return {};
       },
       "NONNEGATIVE");
+}
+
+// What a program prints for an exception that ends it: "program: message", without the C++ stack
+// trace LibTorch appends (ZEAL_DEBUG=1 keeps it). Returns the exit code, 1.
+inline int report_failure(const char* program, const std::exception& e) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "%s: %s\n", program, zeal::without_backtrace(e.what()).c_str());
+  return 1;
 }
 
 // Parses the flags. Returns the exit code when the program should end now: 0 after --help, 2 for a

@@ -279,8 +279,7 @@ int main(int argc, char** argv) {
     }
     engine.print(fmt::format("accuracy: {:.4f}", accuracy));
   } catch (const std::exception& e) {
-    std::cerr << "finetune_lora: " << e.what() << "\n";
-    return 1;
+    return zeal_examples::report_failure("finetune_lora", e);
   }
   return 0;
 }

@@ -27,6 +27,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cerrno>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -42,18 +44,25 @@
 namespace {
 
 std::vector<int64_t> read_tokens(const std::string& path, int64_t vocab) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw zeal::Error(fmt::format("--data: {} is a directory, not a file", path));
   std::ifstream f(path, std::ios::binary);
-  if (!f) throw zeal::Error(fmt::format("--data: cannot open {}", path));
+  if (!f) throw zeal::Error(fmt::format("--data: cannot open {}: {}", path, std::strerror(errno)));
   std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (f.bad()) throw zeal::Error(fmt::format("--data: cannot read {}: {}", path, std::strerror(errno)));
   std::vector<int64_t> out;
   int32_t header[3] = {0, 0, 0};
   if (bytes.size() >= 1024) std::memcpy(header, bytes.data(), sizeof header);
   if (header[0] == 20240520) {
-    const size_t n = static_cast<size_t>(header[2]);
-    if (header[1] != 1 || bytes.size() < 1024 + 2 * n) {
-      throw zeal::Error(fmt::format("--data: {} has llm.c's magic but version {} and {} bytes for {} tokens", path,
-                                    header[1], bytes.size(), n));
+    // llm.c's header: magic, version 1, token count; the tokens (uint16) follow its 1024 bytes.
+    const int64_t count = header[2];
+    const int64_t room = (static_cast<int64_t>(bytes.size()) - 1024) / 2;
+    if (header[1] != 1 || count < 0 || count > room) {
+      throw zeal::Error(fmt::format("--data: {} has llm.c's magic but an impossible header: version {} (expected 1), "
+                                    "{} tokens, room for {} in its {} bytes",
+                                    path, header[1], count, room, bytes.size()));
     }
+    const size_t n = static_cast<size_t>(count);
     out.resize(n);
     for (size_t i = 0; i < n; ++i) {
       uint16_t t;
@@ -305,9 +314,8 @@ int main(int argc, char** argv) {
         engine.print(fmt::format("zeal: on disk: {} of optimizer state", zeal::format_bytes(static_cast<double>(train_mem.engine.offload_disk))));
       }
     }
-  } catch (const zeal::Error& e) {
-    std::cerr << "train_gpt: " << e.what() << "\n";
-    return 1;
+  } catch (const std::exception& e) {
+    return zeal_examples::report_failure("train_gpt", e);
   }
   return 0;
 }

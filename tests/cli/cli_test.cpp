@@ -1,9 +1,11 @@
 // The `zeal` program, run as a user runs it: exit codes, messages and written files.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "engine/config/config.h"
 #include "tests/cli/run_zeal.h"
@@ -146,6 +148,24 @@ TEST_F(CliTest, ContradictoryAnswersWriteNothingAndExitTwo) {
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("optimizer offload needs ZeRO stage 1, 2 or 3"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(path("c.yaml")));
+}
+
+// A config file that cannot be written (the name of a folder, a folder that cannot be made): exit 2
+// naming the path, and nothing left behind.
+TEST_F(CliTest, UnwritableConfigFileLeavesNothingBehind) {
+  fs::create_directories(path("folder"));
+  Result r = run_zeal("config --config_file " + path("folder") + " --distributed_type NO", "</dev/null");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find(path("folder") + ": is a directory"), std::string::npos) << r.output;
+  write("file", "x");
+  Result under_file = run_zeal("config --config_file " + path("file/c.yaml") + " --distributed_type NO", "</dev/null");
+  EXPECT_EQ(under_file.status, 2) << under_file.output;
+  EXPECT_NE(under_file.output.find(path("file/c.yaml")), std::string::npos) << under_file.output;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir_)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"file", "folder"}));
+  EXPECT_TRUE(fs::is_empty(path("folder")));
 }
 
 TEST_F(CliTest, DefaultConfigGoesToZealHome) {

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
@@ -28,8 +29,18 @@ namespace {
 
 bool alive(pid_t pid) { return kill(pid, 0) == 0; }
 
+// Alive and not a zombie waiting for a parent to reap it.
+bool running(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(f, stat)) return false;
+  const auto close = stat.rfind(')');
+  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z' && stat[close + 2] != 'X';
+}
+
 // Distinct ports per test so ctest -j can run them side by side.
 int port_for(int i) { return 29700 + (getpid() % 100) * 10 + i; }
+int port_for2(int i) { return 30800 + (getpid() % 100) * 10 + i; }
 
 class Launch : public ::testing::Test {
  protected:
@@ -170,6 +181,139 @@ TEST_F(Launch, RanksStartedWithDifferentWorldSizesAreToldSo) {
   EXPECT_LT(r.seconds, 15) << r.output;
   EXPECT_NE(r.output.find("rank 0 was started with WORLD_SIZE=2 but rank 1 with WORLD_SIZE=3"), std::string::npos)
       << r.output;
+}
+
+TEST_F(Launch, RanksStartedWithDifferentStagesAreToldSo) {
+  const std::string worker = std::string("ZEAL_TEST_WORKER=1 ") + ZEAL_CLI + " test";
+  Result r = run_zeal("launch --num_processes 2 --comm_timeout 20 --main_process_port " + std::to_string(port_for2(0)) +
+                      " sh -c 'if [ $RANK = 1 ]; then export ZEAL_ZERO_STAGE=3; fi; " + worker + "'");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_LT(r.seconds, 15) << r.output;
+  const bool named = r.output.find("rank 0 was started with zero_optimization.stage 0 but rank 1 with 3") !=
+                         std::string::npos ||
+                     r.output.find("rank 1 was started with zero_optimization.stage 3 but rank 0 with 0") !=
+                         std::string::npos;
+  EXPECT_TRUE(named) << r.output;
+  EXPECT_EQ(r.output.find("has not entered any collective"), std::string::npos) << r.output;
+}
+
+// kill -9 of the launcher: its ranks die with it (parent-death signal), none trains on as an orphan.
+TEST_F(Launch, KilledLauncherLeavesNoRankBehind) {
+  const std::string script = "echo $$ > " + dir_.string() + "/pid.$RANK; exec sleep 60";
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    const std::string port = std::to_string(port_for2(1));
+    execl(ZEAL_CLI, ZEAL_CLI, "launch", "--num_processes", "3", "--main_process_port", port.c_str(), "sh", "-c",
+          script.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  const auto ranks = pids(3);
+  ASSERT_EQ(ranks.size(), 3u);
+  kill(launcher, SIGKILL);
+  int status = 0;
+  waitpid(launcher, &status, 0);
+  for (pid_t p : ranks) {
+    bool gone = false;
+    for (int i = 0; i < 100 && !gone; ++i, std::this_thread::sleep_for(std::chrono::milliseconds(20))) gone = !running(p);
+    EXPECT_TRUE(gone) << "rank process " << p << " outlived its launcher";
+  }
+}
+
+// A SIGTERM as the ranks start: every rank that was started is stopped, the launcher exits 143.
+TEST_F(Launch, SigtermWhileRanksStartStopsThoseStarted) {
+  const std::string script = "echo $$ > " + dir_.string() + "/pid.$RANK; exec sleep 60";
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    const std::string port = std::to_string(port_for2(2));
+    execl(ZEAL_CLI, ZEAL_CLI, "launch", "--num_processes", "24", "--no_bind", "--stop_grace", "1",
+          "--main_process_port", port.c_str(), "sh", "-c", script.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  for (int i = 0; i < 500 && !fs::exists(dir_ / "pid.0"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  kill(launcher, SIGTERM);
+  int status = 0;
+  ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  int started = 0;
+  for (int r = 0; r < 24; ++r) {
+    std::ifstream f(dir_ / ("pid." + std::to_string(r)));
+    pid_t p = 0;
+    if (!(f >> p)) continue;
+    ++started;
+    EXPECT_FALSE(running(p)) << "rank " << r << " (pid " << p << ") still running";
+  }
+  EXPECT_GE(started, 1);
+}
+
+// A rank that exits 0 while the others still run is reported within seconds, not after comm_timeout.
+TEST_F(Launch, RankExitingZeroEarlyIsReported) {
+  Result r = run_zeal("launch --num_processes 3 --main_process_port " + std::to_string(port_for2(3)) +
+                      " sh -c 'if [ $RANK = 2 ]; then exit 0; fi; sleep 8; echo done $RANK'");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 2 exited with status 0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("while ranks 0, 1 still run"), std::string::npos) << r.output;
+  // Ranks that finish together are not reported.
+  Result together = run_zeal("launch --num_processes 3 --main_process_port " + std::to_string(port_for2(4)) +
+                             " sh -c 'sleep 0.$RANK; echo done'");
+  EXPECT_EQ(together.status, 0) << together.output;
+  EXPECT_EQ(together.output.find("exited with status 0"), std::string::npos) << together.output;
+}
+
+TEST_F(Launch, StopGraceMustBeSecondsFromZeroToAnHour) {
+  for (const char* bad : {"-1", "nan", "1e30", "inf"}) {
+    Result r = run_zeal(std::string("launch --stop_grace ") + bad + " --num_processes 1 sh -c 'echo started'");
+    EXPECT_EQ(r.status, 2) << bad << "\n" << r.output;
+    EXPECT_NE(r.output.find("--stop_grace"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("started"), std::string::npos) << r.output;
+  }
+}
+
+// More ranks than cores, and more than memory holds: said before they start, with the numbers.
+TEST_F(Launch, TooManyRanksAreWarnedAbout) {
+  const unsigned cores = std::thread::hardware_concurrency();
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  double total_kib = 0;
+  meminfo >> key >> total_kib;  // "MemTotal: N kB"
+  // Each rank counts at least 64 MiB; enough ranks to pass 80 % of memory, if that is not absurd.
+  const int for_memory = static_cast<int>(total_kib / (64 * 1024) * 0.8) + 2;
+  const int n = std::max<int>(static_cast<int>(cores) + 1, for_memory <= 600 ? for_memory : 0);
+  Result r = run_zeal("launch --no_bind --num_processes " + std::to_string(n) + " --main_process_port " +
+                      std::to_string(port_for2(5)) + " true");
+  EXPECT_EQ(r.status, 0) << r.output.substr(0, 2000);
+  EXPECT_NE(r.output.find(std::to_string(n) + " ranks on " + std::to_string(cores) + " cores"), std::string::npos)
+      << r.output.substr(0, 2000);
+  if (for_memory <= 600) {
+    EXPECT_NE(r.output.find(std::to_string(n) + " ranks need at least"), std::string::npos) << r.output.substr(0, 2000);
+    EXPECT_NE(r.output.find("GiB of memory"), std::string::npos) << r.output.substr(0, 2000);
+  }
+}
+
+// Rendezvous failures end fast with one line, without c10d's per-attempt logs and backtraces: a
+// name that does not resolve at once, a port nothing answers on within ZEAL_CONNECT_TIMEOUT.
+TEST_F(Launch, RendezvousFailuresAreOneLineAndFast) {
+  const std::string worker = "ZEAL_TEST_WORKER=1 RANK=1 LOCAL_RANK=1 WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 ";
+  Result unresolved = run_zeal("test", worker + "MASTER_ADDR=no-such-host.invalid MASTER_PORT=29999");
+  EXPECT_EQ(unresolved.status, 2) << unresolved.output;
+  EXPECT_LT(unresolved.seconds, 10) << unresolved.output;
+  EXPECT_NE(unresolved.output.find("rendezvous address \"no-such-host.invalid\" (main_process_ip / MASTER_ADDR) does "
+                                   "not resolve"),
+            std::string::npos)
+      << unresolved.output;
+  Result silent = run_zeal("test --comm_timeout 600", worker + "MASTER_ADDR=127.0.0.1 MASTER_PORT=1 ZEAL_CONNECT_TIMEOUT=2");
+  EXPECT_EQ(silent.status, 2) << silent.output;
+  EXPECT_LT(silent.seconds, 15) << silent.output;
+  EXPECT_NE(silent.output.find("rank 1 cannot reach the rendezvous store at 127.0.0.1:1 within 2 s"), std::string::npos)
+      << silent.output;
+  for (const Result* r : {&unresolved, &silent}) {
+    EXPECT_EQ(r->output.find("[c10d]"), std::string::npos) << r->output;
+    EXPECT_EQ(r->output.find("frame #"), std::string::npos) << r->output;
+    EXPECT_EQ(r->output.find("Exception raised from"), std::string::npos) << r->output;
+  }
 }
 
 TEST_F(Launch, ZealTestPassesOnFourProcesses) {

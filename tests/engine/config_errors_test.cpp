@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -87,6 +88,25 @@ const BadConfig kCases[] = {
      "num_processes: 2\ndistributed_type: MULTI_CPU\ntrain_batch_size: 30\ntrain_micro_batch_size_per_gpu: 4\n"
      "gradient_accumulation_steps: 2\n",
      {"train_batch_size 30 ≠ train_micro_batch_size_per_gpu 4 × gradient_accumulation_steps 2 × world size 2 = 16"}},
+    {"BatchProductOverflows",
+     "num_processes: 2\ndistributed_type: MULTI_CPU\ntrain_micro_batch_size_per_gpu: 4611686018427387904\n"
+     "gradient_accumulation_steps: 4\n",
+     {"train_micro_batch_size_per_gpu 4611686018427387904 × gradient_accumulation_steps 4 × world size 2",
+      "does not fit in 64 bits"}},
+    {"BatchProductOverflowsBesideAGivenTotal",
+     "num_processes: 4\ndistributed_type: MULTI_CPU\ntrain_batch_size: 64\ntrain_micro_batch_size_per_gpu: "
+     "3074457345618258603\ngradient_accumulation_steps: 3\n",
+     {"does not fit in 64 bits"}},
+    {"ExplicitZeroTrainBatchSizeIsAValue", "train_batch_size: 0\ntrain_micro_batch_size_per_gpu: 4\n",
+     {"bad.yaml:1:19", "train_batch_size", "an integer ≥ 1", "\"0\""}},
+    {"ExplicitZeroMicroBatchIsAValue", "train_micro_batch_size_per_gpu: 0\n",
+     {"train_micro_batch_size_per_gpu", "an integer ≥ 1"}},
+    {"SecondYamlDocumentIsNotIgnored", "zero_optimization:\n  stage: 2\n---\nzero_optimization:\n  stage: 3\n",
+     {"bad.yaml:4:1", "a second YAML document", "would be ignored"}},
+    {"UnknownKeyFarFromAnyDoesNotListTheTable", "qqqqqqqqqqqqqqqqqqqqqqq: 1\n",
+     {"bad.yaml:1:1", "no key like it at the top level", "`zeal config keys`"}},
+    {"KeysAreCaseSensitive", "zero_optimization:\n  Stage: 2\n  stage: 3\n",
+     {"bad.yaml:2:3", "zero_optimization.Stage", "unknown key", "did you mean zero_optimization.stage?"}},
     {"MixedPrecisionDisagreesWithSection", "mixed_precision: fp16\nbf16:\n  enabled: true\n",
      {"mixed_precision is fp16", "bf16.enabled says bf16", "make them agree"}},
     {"MachineRankOutOfRange", "num_machines: 2\nmachine_rank: 2\nnum_processes: 2\ndistributed_type: MULTI_CPU\n",
@@ -145,6 +165,46 @@ TEST(MalformedConfig, EveryProblemInAFileIsReportedAtOnce) {
   } catch (const zeal::ConfigError& e) {
     EXPECT_EQ(e.problems().size(), 3u) << e.what();
   }
+}
+
+// A thousand unknown keys: the message shows the first 20 and counts the rest; each line names its
+// key with one suggestion, never the whole key table.
+TEST(MalformedConfig, ManyProblemsAreCappedAndCounted) {
+  std::string yaml;
+  for (int i = 0; i < 1000; ++i) yaml += "unknown_key_number_" + std::to_string(i) + ": 1\n";
+  try {
+    zeal::Config::parse(yaml, "bad.yaml");
+    FAIL();
+  } catch (const zeal::ConfigError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(e.problems().size(), 1000u);
+    EXPECT_NE(msg.find("bad.yaml:20:1: unknown_key_number_19"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("unknown_key_number_20:"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("… and 980 more problems"), std::string::npos) << msg;
+    EXPECT_LT(msg.size(), 20u * 200) << msg;
+  }
+}
+
+// Files the loader must refuse by name before YAML sees them, and a JSON file with a trailing comma.
+TEST(MalformedConfig, DirectoriesAndTrailingCommasAreNamed) {
+  const std::string dir = ::testing::TempDir() + "/zeal_cfg_dir";
+  std::filesystem::create_directories(dir);
+  auto message = [](const std::string& path) {
+    try {
+      zeal::Config::load(path, false);
+    } catch (const zeal::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(message(dir).find(dir + ": is a directory, not a config file"), std::string::npos) << message(dir);
+  { std::ofstream(dir + "/ds.json") << "{\n  \"zero_optimization\": {\"stage\": 2,\n  },\n  \"s\": \"a,}\"\n}\n"; }
+  EXPECT_NE(message(dir + "/ds.json").find(dir + "/ds.json:2:35: trailing comma"), std::string::npos)
+      << message(dir + "/ds.json");
+  // A comma inside a string is not one; without the trailing comma the file loads.
+  { std::ofstream(dir + "/ds.json") << "{\"zero_optimization\": {\"stage\": 2}, \"x_note\": \"a,}\"}\n"; }
+  EXPECT_EQ(message(dir + "/ds.json").find("trailing comma"), std::string::npos) << message(dir + "/ds.json");
+  std::filesystem::remove_all(dir);
 }
 
 // Accelerate accepts zero3_init_flag inline beside deepspeed_config_file (it is not in its

@@ -44,4 +44,30 @@ if [ "$rc" -eq 0 ] || ! grep -q "/dev/full" <<<"$err"; then
 else
   echo "ok: --log_jsonl /dev/full -> $rc"
 fi
+# Inputs that are wrong in content, not form: the run ends non-zero naming the file or flag, in one
+# message without the standard library's or LibTorch's own text or a C++ backtrace.
+check_run() {  # what to find, arguments...
+  local want=$1
+  shift
+  local err rc
+  err=$(timeout 120 "$train_gpt" "$@" 2>&1 >/dev/null)
+  rc=$?
+  if [ "$rc" -eq 0 ] || ! grep -qF -- "$want" <<<"$err" ||
+     grep -qE "frame #|Exception raised from|basic_filebuf|_M_default_append|negative dimension" <<<"$err"; then
+    echo "FAIL: train_gpt $*: exit $rc, want '$want', said: $err" >&2
+    fail=1
+  else
+    echo "ok: train_gpt $* -> $rc: $err"
+  fi
+}
+dir=$(mktemp -d)
+check_run "--data: $dir is a directory" --steps 1 --data "$dir"
+# llm.c's magic (20240520), version 1 and a negative token count.
+python3 -c "import struct,sys; sys.stdout.buffer.write(struct.pack('<3i', 20240520, 1, -5) + bytes(1012) + bytes(64))" > "$dir/neg.bin"
+check_run "$dir/neg.bin has llm.c's magic but an impossible header" --steps 1 --data "$dir/neg.bin"
+python3 -c "import struct,sys; sys.stdout.buffer.write(struct.pack('<3i', 20240520, 1, 1 << 30) + bytes(1012) + bytes(64))" > "$dir/big.bin"
+check_run "$dir/big.bin has llm.c's magic but an impossible header" --steps 1 --data "$dir/big.bin"
+# An allocation no machine has: LibTorch's enforce failure, in one line.
+check_run "you tried to allocate" --steps 1 --seq_len 16 --micro_batch 4000000000000
+rm -rf "$dir"
 exit $fail
