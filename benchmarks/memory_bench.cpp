@@ -103,6 +103,28 @@ int main(int argc, char** argv) {
               nvme_path.c_str(), free_gb);
   std::fflush(stdout);
 
+  // The prediction is what users get: `zeal estimate-memory --json` for every stage and offload.
+  const std::string estimate_json = (fs::temp_directory_path() / ("memory_bench_estimate_" + std::to_string(getpid()) + ".json")).string();
+  {
+    int status = 0;
+    const std::string out = run_capture(fmt::format("{} estimate-memory --model {} --num_processes {} --seq_len {} "
+                                                    "--micro_batch {} --json {}",
+                                                    zeal_cli, cfg.name, world, seq_len, micro_batch, estimate_json),
+                                        &status);
+    if (status != 0) {
+      std::fprintf(stderr, "memory_bench: zeal estimate-memory failed:\n%s\n", out.c_str());
+      return 1;
+    }
+  }
+  json estimate;
+  std::ifstream(estimate_json) >> estimate;
+  fs::remove(estimate_json);
+  auto estimated = [&](int stage, const std::string& off, const char* field) {
+    for (const auto& row : estimate["zeal"])
+      if (row["stage"] == stage && row["offload"] == off) return row[field].get<double>();
+    return 0.0;
+  };
+
   struct Row {
     int stage;
     std::string offload;
@@ -158,19 +180,8 @@ int main(int argc, char** argv) {
       sm.master_bytes = 0;  // fp32 with a fused Adam: the parameters are the master weights
       sm.optimizer_bytes = 8;
       r.table = zeal::expected_model_state_bytes(sm);
-      zeal::estimate::RunShape rs;
-      rs.stage = stage;
-      rs.world = world;
-      rs.micro_batch = micro_batch;
-      rs.seq_len = seq_len;
-      rs.offload_optimizer = off == "cpu" ? zeal::estimate::Offload::kCpu : off == "nvme" ? zeal::estimate::Offload::kNvme
-                                                                                          : zeal::estimate::Offload::kNone;
-      rs.offload_param = stage == 3 ? rs.offload_optimizer : zeal::estimate::Offload::kNone;
-      rs.runtime_bytes = zeal::detail::resident_bytes();
-      rs.max_live_parameters = 1'000'000'000;
-      const auto p = zeal::estimate::predict(shape, rs);
-      r.predicted = static_cast<double>(p.host_peak);
-      r.predicted_disk = static_cast<double>(p.disk_bytes);
+      r.predicted = estimated(stage, off, "host_peak_bytes");
+      r.predicted_disk = estimated(stage, off, "disk_bytes");
       std::printf("  stage %d, offload %-4s %s\n", stage, off.c_str(),
                   r.ok ? fmt::format("train peak {}, whole-run peak {}, predicted {} ({:+.1f} %)", zeal::format_bytes(r.train_peak),
                                      zeal::format_bytes(r.life_peak), zeal::format_bytes(r.predicted),

@@ -1,6 +1,8 @@
 // The `zeal` program's subcommands: one file each.
 #pragma once
 
+#include <cstdint>
+
 #include <CLI/CLI.hpp>
 
 #include "engine/config/config.h"
@@ -30,5 +32,9 @@ LaunchOptions launch_options_from(const Config& c, const std::string& file, cons
 
 // Prints a zeal::Error or ConfigError the way every subcommand does and returns exit status 2.
 int report_error(const std::exception& e);
+
+// This process's resident set after training the tiny GPT one step on one rank (runtime_probe.cpp):
+// the runtime's share of every rank's memory, for estimate-memory.
+int64_t measured_runtime_bytes(bool on_gpu);
 
 }  // namespace zeal::cli

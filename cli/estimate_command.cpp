@@ -79,9 +79,9 @@ Runner add_estimate_command(CLI::App& app) {
     r.on_gpu = o->gpu;
     r.micro_batch = o->micro_batch;
     r.seq_len = o->seq_len;
-    // This program loads the libraries a training process loads: its resident set now is the
-    // runtime's share of every rank's memory (the communicator adds a little).
-    r.runtime_bytes = detail::resident_bytes();
+    // The runtime's share of every rank's memory, measured here after a short training run of
+    // the tiny GPT (the libraries, the kernels' code a step pages in, the threads).
+    r.runtime_bytes = measured_runtime_bytes(o->gpu);
     std::vector<int> stages;
     for (const auto& s : CLI::detail::split(o->stages, ',')) {
       if (s != "0" && s != "1" && s != "2" && s != "3") throw Error("--stages: '" + s + "' is not a ZeRO stage (0, 1, 2 or 3)");

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# zeal estimate-memory's prediction of the peak against the peak measured by the kernel: memory_bench
+# runs train_gpt (tiny preset, 2 ranks, 3 steps) at stages 0, 2 and 3 with offload none, cpu and nvme,
+# reads each rank's train-phase peak resident set (the memory report's total peak, from VmHWM) and
+# `zeal estimate-memory --json`'s prediction for the same run. Every configuration must run and be
+# predicted within 5 %.
+#
+# usage: estimate_accuracy.sh MEMORY_BENCH
+set -euo pipefail
+bench=$1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$bench" --model tiny --world 2 --steps 3 --seq_len 64 --micro_batch 4 --stages 0,2,3 --offload none,cpu,nvme \
+  --nvme_path "$work/nvme" --json "$work/rows.json"
+python3 - "$work/rows.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+bad = []
+seen = set()
+for r in rows:
+    if not r["ok"]:
+        bad.append(f"stage {r['stage']} offload {r['offload']} did not run: {r['why']}")
+        continue
+    err = r["predicted_bytes"] / r["train_peak_bytes"] - 1
+    seen.add((r["stage"], r["offload"]))
+    print(f"stage {r['stage']} offload {r['offload']:4}: measured {r['train_peak_bytes'] / 2**20:8.1f} MiB, "
+          f"predicted {r['predicted_bytes'] / 2**20:8.1f} MiB, error {100 * err:+.1f} %")
+    if abs(err) > 0.05:
+        bad.append(f"stage {r['stage']} offload {r['offload']}: error {100 * err:+.1f} % (more than 5 %)")
+want = {(0, "none"), (2, "none"), (2, "cpu"), (3, "none"), (3, "cpu"), (3, "nvme")}
+if not want <= seen:
+    bad.append(f"configurations missing: {sorted(want - seen)}")
+if bad:
+    print("\n".join(bad), file=sys.stderr)
+    sys.exit(1)
+PY
