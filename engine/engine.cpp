@@ -447,14 +447,17 @@ void Engine::build_zero() {
     nv->dir = swap_dir(config_.zero.offload_optimizer.nvme_path);
     nv->io = state_->io;
     // sub_group_size bounds a window, and so does kMaxNvmeWindowElems (DeepSpeed's default of 1e9
-    // would ask for 42 GB per rank).
+    // would ask for 64 GB per rank).
     nv->sub_group_elems = std::min<int64_t>(config_.zero.sub_group_size, kMaxNvmeWindowElems);
     if (config_.zero.sub_group_size > kMaxNvmeWindowElems && runtime_->rank() == 0) {
       std::fprintf(stderr,
                    "zeal: offload: the optimizer's nvme windows hold %lld elements (sub_group_size %lld would keep "
                    "about %s of window buffers in host memory per rank)\n",
                    static_cast<long long>(kMaxNvmeWindowElems), static_cast<long long>(config_.zero.sub_group_size),
-                   format_bytes(42.0 * static_cast<double>(config_.zero.sub_group_size)).c_str());
+                   format_bytes(static_cast<double>(nvme_window_bytes_per_elem(static_cast<int>(std::min<int64_t>(
+                                    config_.zero.offload_optimizer.buffer_count, 3)))) *
+                                static_cast<double>(config_.zero.sub_group_size))
+                       .c_str());
     }
     nv->buffer_sets = static_cast<int>(std::min<int64_t>(config_.zero.offload_optimizer.buffer_count, 3));
     state_->nvme = nv;

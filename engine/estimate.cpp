@@ -201,6 +201,72 @@ std::string offload_name(Offload o) {
   }
 }
 
+// Stage 3: the most parameter elements gathered at once over a training pass, following the fetch
+// coordinator's rules along the units' trace (forward over the blocks, backward in reverse; the root
+// and units within stage3_param_persistence_threshold stay gathered): the unit in use, the next one
+// not gathered yet (prefetch), a unit kept after its use while its next use comes within
+// stage3_max_reuse_distance elements and the units kept stay within stage3_max_live_parameters, and
+// in the backward a unit held until the two reductions after it are under way.
+double gathered_peak_elems(const ModelShape& m, const RunShape& r) {
+  const size_t n = m.units.size();
+  if (n < 2) return static_cast<double>(m.params);
+  const double threshold = m.transformer ? 10.0 * static_cast<double>(m.transformer->hidden) : 1e5;  // "auto"
+  std::vector<char> persistent(n, 0), held(n, 0);
+  double persistent_elems = 0;
+  std::vector<size_t> trace;
+  for (size_t i = 0; i < n; ++i) {
+    persistent[i] = i == 0 || static_cast<double>(m.units[i]) <= threshold;
+    if (persistent[i]) persistent_elems += static_cast<double>(m.units[i]);
+    else trace.push_back(i);
+  }
+  const size_t forward = trace.size();
+  for (size_t k = forward; k-- > 0;) trace.push_back(trace[k]);
+  const double R = static_cast<double>(r.max_reuse_distance), live_cap = static_cast<double>(r.max_live_parameters);
+  double live = 0, peak = 0;
+  auto hold = [&](size_t u) {
+    if (!held[u]) live += static_cast<double>(m.units[u]);
+    held[u] = 1;
+  };
+  auto drop = [&](size_t u) {
+    if (held[u]) live -= static_cast<double>(m.units[u]);
+    held[u] = 0;
+  };
+  std::vector<size_t> reducing;  // backward: units whose reduction is under way
+  for (size_t k = 0; k < trace.size(); ++k) {
+    const size_t u = trace[k];
+    hold(u);
+    for (size_t j = k + 1; j < trace.size(); ++j) {
+      if (!held[trace[j]]) {
+        hold(trace[j]);
+        break;
+      }
+    }
+    peak = std::max(peak, live);
+    bool keep = false;
+    if (live <= live_cap) {
+      double distance = 0;
+      for (size_t j = k + 1; j < trace.size() && distance < R; ++j) {
+        if (trace[j] == u) {
+          keep = true;
+          break;
+        }
+        distance += static_cast<double>(m.units[trace[j]]);
+      }
+    }
+    if (keep) continue;
+    if (k < forward) {
+      drop(u);
+    } else {
+      reducing.push_back(u);
+      if (reducing.size() > 2) {
+        drop(reducing.front());
+        reducing.erase(reducing.begin());
+      }
+    }
+  }
+  return persistent_elems + peak;
+}
+
 Prediction predict(const ModelShape& m, const RunShape& r) {
   Prediction p;
   p.run = r;
@@ -225,7 +291,8 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   } else {
     add("parameters", P * p_share, r.stage == 3 && r.offload_param == Offload::kCpu ? "host" : dev);
   }
-  add("gradients", G * g_share, dev);
+  // offload_optimizer nvme: the reduced gradients go to disk with the optimizer state (swapped per unit).
+  add("gradients", G * g_share, r.offload_optimizer == Offload::kNvme ? "disk" : dev);
   const std::string mo_where = r.offload_optimizer == Offload::kNone ? dev : r.offload_optimizer == Offload::kCpu ? "host" : "disk";
   // Offloaded, the master weights are their own fp32 copy even for fp32 parameters (in host
   // memory, or in the NVMe swap file's [master | m | v]).
@@ -235,18 +302,19 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   for (const auto& part : p.parts)
     if (part.name != "runtime" && part.name != "parameters on disk") states += static_cast<double>(part.bytes);
   p.model_state_bytes = static_cast<int64_t>(states);
-  // Offload buffers: NVMe windows (three sets of master, m, v plus gradient and result windows);
+  // Offload buffers: NVMe windows (up to three sets of master, m, v, gradients and the gradients'
+  // read buffer, plus the result window);
   // CPU offload: the step's gradient and result buffers.
   const double window = std::min({static_cast<double>(r.sub_group_size), static_cast<double>(kMaxNvmeWindowElems), mo_share});
   if (r.offload_optimizer == Offload::kNvme) {
-    add("offload windows", (12.0 * std::clamp(r.buffer_count, 1, 3) + 4 + P) * window, "host");
+    add("offload windows", (20.0 * std::clamp(r.buffer_count, 1, 3) + P) * window, "host");
   } else if (r.offload_optimizer == Offload::kCpu) {
     add("offload step buffers", (4.0 + P) * mo_share, "host");
   }
-  // Stage 3: units gathered at once — up to stage3_max_live_parameters besides the one in use.
+  // Stage 3: units gathered at once (gathered_peak_elems).
   const double largest_unit = m.units.empty() ? psi : static_cast<double>(*std::max_element(m.units.begin(), m.units.end()));
   if (r.stage == 3 && N > 1) {
-    add("gathered units", P * std::min(psi, static_cast<double>(r.max_live_parameters) + largest_unit), dev);
+    add("gathered units", P * std::min(psi, gathered_peak_elems(m, r)), dev);
     add("a unit's full gradient before its reduce-scatter", G * largest_unit, dev);
   } else {
     // Stages 1 and 2 reduce-scatter the gradients through buckets of reduce_bucket_size (DeepSpeed's

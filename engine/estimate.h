@@ -73,6 +73,7 @@ struct RunShape {
   // DeepSpeed's defaults, as the engine reads them.
   int64_t sub_group_size = 1'000'000'000;
   int64_t max_live_parameters = 1'000'000'000;
+  int64_t max_reuse_distance = 1'000'000'000;
   int64_t max_in_cpu = 1'000'000'000;   // offload_param nvme: shard elements kept in host memory
   int buffer_count = 4;                  // offload_optimizer.buffer_count
   int64_t runtime_bytes = 0;             // the process's resident set before the model (measured)

@@ -26,7 +26,7 @@ struct MemoryReport {
   // weights, optimizer state and the step's two buffers, already counted above where they are
   // model states) and the most it held.
   int64_t offload_host = 0, offload_host_peak = 0;
-  // offload_optimizer.device nvme: bytes of optimizer state (master, m, v) in the swap files.
+  // NVMe offload: bytes in the swap files (master, m, v and the gradients; offload_param's shards).
   int64_t offload_disk = 0;
   int64_t model_states() const { return params + grads + master + optimizer_states; }
   int64_t total() const { return model_states() + frozen_params + buffers + workspace; }
@@ -50,9 +50,12 @@ struct StageModel {
 double expected_model_state_bytes(const StageModel& m);
 
 // offload_optimizer.device nvme: the most elements one optimizer window holds, whatever
-// sub_group_size says — beyond a few dozen MiB a window only costs host memory (three buffer sets of
-// master, m and v).
-constexpr int64_t kMaxNvmeWindowElems = int64_t{1} << 24;
+// sub_group_size says — beyond 16 MiB per tensor a window only costs host memory (three buffer sets
+// of master, m, v, the gradients and their read buffer), and the disk streams 1 MiB requests anyway.
+constexpr int64_t kMaxNvmeWindowElems = int64_t{1} << 22;
+// Host bytes per window element: per buffer set master, m, v, gradients (fp32) and the gradients'
+// read buffer, times the sets, plus the result window (at most fp32).
+constexpr int64_t nvme_window_bytes_per_elem(int buffer_sets) { return 20 * buffer_sets + 4; }
 
 // 1536 → "1.5 KiB".
 std::string format_bytes(double bytes);

@@ -27,14 +27,30 @@ cpu::DType kernel_dtype(at::ScalarType t) {
   }
 }
 
-cpu::GradStats stats_of(const at::Tensor& t) {
-  if (t.numel() == 0) return {};
+cpu::GradStats stats_of(const at::Tensor& t) { return stats_from(t, {}); }
+
+cpu::GradStats stats_from(const at::Tensor& t, cpu::GradStats acc) {
+  if (t.numel() == 0) return acc;
   if (t.is_cpu() && t.is_contiguous()) {
-    return cpu::grad_stats(t.data_ptr(), kernel_dtype(t.scalar_type()), t.numel(), cpu::active_simd(),
-                           at::get_num_threads());
+    // Blocks of kStatsBlock elements in parallel, their sums folded in order: the same bits for any
+    // thread count, and for a tensor taken whole or a multiple of kStatsBlock at a time.
+    const int64_t n = t.numel(), blocks = (n + kStatsBlock - 1) / kStatsBlock;
+    const cpu::DType type = kernel_dtype(t.scalar_type());
+    const cpu::Simd simd = cpu::active_simd();
+    const auto* base = static_cast<const char*>(t.data_ptr());
+    const int64_t esize = static_cast<int64_t>(t.element_size());
+    std::vector<cpu::GradStats> parts(static_cast<size_t>(blocks));
+    at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t begin = b * kStatsBlock;
+        parts[b] = cpu::grad_stats(base + begin * esize, type, std::min(kStatsBlock, n - begin), simd, 1);
+      }
+    });
+    for (const auto& p : parts) acc = cpu::combine(acc, p);
+    return acc;
   }
   const double norm = at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble).item<double>();
-  return {norm * norm, t.abs().max().item<float>()};
+  return cpu::combine(acc, {norm * norm, t.abs().max().item<float>()});
 }
 
 ShardStep::ShardStep(at::Tensor master, std::unique_ptr<optim::Optimizer> optimizer, std::vector<Piece> pieces,
@@ -44,6 +60,10 @@ ShardStep::ShardStep(at::Tensor master, std::unique_ptr<optim::Optimizer> optimi
   if (master_.defined()) {
     total_ = master_.numel();
     state_options_ = master_.options();
+    if (master_.is_meta()) {  // already in the NVMe swap file (offload_to_nvme follows)
+      state_options_ = at::TensorOptions().dtype(at::kFloat).device(pieces_.empty() ? at::Device(at::kCPU)
+                                                                                     : pieces_[0].out.device());
+    }
   } else {
     for (const Piece& p : pieces_) {
       ZEAL_CHECK(can_alias(*optimizer_, p.out.scalar_type(), p.out.device()) && p.out.is_contiguous())
@@ -70,6 +90,10 @@ cpu::GradStats ShardStep::stats(double inv_scale) {
   double scale = 1.0;
   if (grad32_ready_) {
     s = stats_of(grad32_);
+  } else if (gswap_) {
+    for (size_t k = 0; k < pieces_.size(); ++k)
+      if (gswap_written_[k]) s = cpu::combine(s, gswap_stats_[k]);
+    scale = inv_scale * pending_scale_;
   } else {
     for (const Piece& p : pieces_) s = cpu::combine(s, stats_of(p.grad));
     scale = inv_scale * pending_scale_;
@@ -94,6 +118,7 @@ std::vector<at::Tensor> ShardStep::current_grads(double inv_scale, double* scale
 
 at::Tensor ShardStep::sumsq_on_device(double inv_scale, at::Device where) {
   c10::NoGradGuard no_grad;
+  if (gswap_) return at::full({1}, stats(inv_scale).sumsq, at::TensorOptions().dtype(at::kDouble).device(where));
   double scale = 1.0;
   const std::vector<at::Tensor> grads = current_grads(inv_scale, &scale);
   if (grads.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(where));
@@ -125,6 +150,11 @@ at::Tensor ShardStep::sumsq_on_device(double inv_scale, at::Device where) {
 
 at::Tensor ShardStep::amax_on_device(double inv_scale, at::Device where) {
   c10::NoGradGuard no_grad;
+  if (gswap_) {
+    const cpu::GradStats s = stats(inv_scale);  // a non-finite sum makes the amax non-finite too
+    const double amax = s.finite() ? static_cast<double>(s.amax) : s.sumsq;
+    return at::full({1}, amax, at::TensorOptions().dtype(at::kDouble).device(where));
+  }
   at::Tensor out = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(where));
   double scale = 1.0;
   const std::vector<at::Tensor> grads = current_grads(inv_scale, &scale);
@@ -141,6 +171,10 @@ void ShardStep::scale(double c) {
 
 const at::Tensor& ShardStep::fp32_grads(double inv_scale) {
   if (grad32_ready_) return grad32_;
+  if (gswap_) {
+    throw Error("the gradients are offloaded to nvme with the optimizer state (offload_optimizer.device nvme), where "
+                "they are never whole in memory: clip_grad_value is not available; gradient_clipping (the norm) is");
+  }
   c10::NoGradGuard no_grad;
   if (!grad32_.defined()) grad32_ = at::empty({total_}, state_options_);
   if (!grad32_.is_same(alias_)) {
@@ -221,12 +255,16 @@ void ShardStep::offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::
   host_grad_ = arena_tensor(arena_, window_, at::kFloat);
   const at::ScalarType out_type = pieces_.empty() ? at::kFloat : pieces_[0].out.scalar_type();
   host_out_ = arena_tensor(arena_, window_, out_type);
-  // The master as it is, m and v zero (the state's start), window by window.
+  // The master as it is (unless it is there already), m and v zero (the state's start), window by window.
+  const bool master_written = master_.is_meta();
+  win_m_[0].zero_();
   for (int64_t a = 0; a < total_; a += window_) {
     const int64_t len = std::min(window_, total_ - a), io_bytes = round_up(len * 4, offload::kIoAlign);
-    win_master_[0].zero_();
-    win_master_[0].narrow(0, 0, len).copy_(master_.narrow(0, a, len));
-    swap_->write(win_master_[0].data_ptr(), io_bytes, a * 4);
+    if (!master_written) {
+      win_master_[0].zero_();
+      win_master_[0].narrow(0, 0, len).copy_(master_.narrow(0, a, len));
+      swap_->write(win_master_[0].data_ptr(), io_bytes, a * 4);
+    }
     swap_->write(win_m_[0].data_ptr(), io_bytes, region_bytes_ + a * 4);
     swap_->write(win_v_[0].data_ptr(), io_bytes, 2 * region_bytes_ + a * 4);
   }
@@ -246,6 +284,7 @@ void ShardStep::apply_nvme(double inv_scale) {
     swap_->read(win_master_[k].data_ptr(), io_bytes(a), a * 4);
     swap_->read(win_m_[k].data_ptr(), io_bytes(a), region_bytes_ + a * 4);
     swap_->read(win_v_[k].data_ptr(), io_bytes(a), 2 * region_bytes_ + a * 4);
+    if (gswap_) read_grad_window(a, std::min(window_, total_ - a), k);
   };
   auto write = [&](int64_t a, int k) {
     swap_->write(*writer_, win_master_[k].data_ptr(), io_bytes(a), a * 4);
@@ -285,12 +324,18 @@ void ShardStep::apply_nvme(double inv_scale) {
       const int64_t lo = std::max(a, p.offset), hi = std::min(a + len, p.offset + p.grad.numel());
       if (lo >= hi) continue;
       const int64_t n = hi - lo;
-      host_grad_.narrow(0, lo - a, n)
-          .copy_(grad32_ready_ ? grad32_.narrow(0, lo, n) : p.grad.narrow(0, lo - p.offset, n));
+      float* grad = nullptr;
+      if (gswap_) {
+        grad = win_grad_[k].data_ptr<float>() + (lo - a);  // read with the window
+      } else {
+        grad = host_grad_.data_ptr<float>() + (lo - a);
+        host_grad_.narrow(0, lo - a, n)
+            .copy_(grad32_ready_ ? grad32_.narrow(0, lo, n) : p.grad.narrow(0, lo - p.offset, n));
+      }
       optim::FusedSegment seg;
       seg.offset = lo;
       seg.n = n;
-      seg.grad = host_grad_.data_ptr<float>() + (lo - a);
+      seg.grad = grad;
       seg.grad_type = cpu::DType::kFp32;
       seg.master = win_master_[k].data_ptr<float>() + (lo - a);
       seg.m = win_m_[k].data_ptr<float>() + (lo - a);
@@ -465,6 +510,104 @@ void ShardStep::state_io(const std::string& what, int64_t index, int64_t n, floa
     throw Error("checkpoint: the optimizer " + optimizer_->name() + " has no state '" + what + "'");
   }
   move(it->second.narrow(0, index, n), buf);
+}
+
+}  // namespace zeal::zero
+
+// --- gradient swap ---------------------------------------------------------------------------------
+
+namespace zeal::zero {
+
+void ShardStep::swap_gradients(std::shared_ptr<offload::SwapFile> file) {
+  ZEAL_CHECK(swap_ && !gswap_) << "gradients swap beside an NVMe-offloaded optimizer state, once";
+  c10::NoGradGuard no_grad;
+  gswap_ = std::move(file);
+  int64_t off = 0;
+  for (Piece& p : pieces_) {
+    gswap_off_.push_back(off);
+    off += round_up(p.grad.numel() * static_cast<int64_t>(p.grad.element_size()), offload::kIoAlign);
+    p.grad = at::empty(p.grad.sizes(), p.grad.options().device(at::kMeta));
+  }
+  gswap_bytes_ = off;
+  gswap_->dir().require(gswap_bytes_, "the gradients offloaded to nvme (offload_optimizer)");
+  gswap_written_.assign(pieces_.size(), 0);
+  gswap_stats_.assign(pieces_.size(), {});
+  for (int k = 0; k < sets_; ++k) {
+    gbounce_[k] = arena_tensor(arena_, window_ + 2 * offload::kIoAlign / 4, at::kFloat);
+    win_grad_[k] = arena_tensor(arena_, window_, at::kFloat);
+  }
+  host_grad_ = at::Tensor();  // the gradient windows take its place
+}
+
+void ShardStep::clear_grads() {
+  std::fill(gswap_written_.begin(), gswap_written_.end(), 0);
+  std::fill(gswap_stats_.begin(), gswap_stats_.end(), cpu::GradStats{});
+}
+
+void ShardStep::accumulate_grad(size_t k, const at::Tensor& g) {
+  ZEAL_CHECK(gswap_ && k < pieces_.size()) << "accumulate_grad without gradient swap";
+  c10::NoGradGuard no_grad;
+  const Piece& p = pieces_[k];
+  const int64_t n = p.grad.numel(), esize = static_cast<int64_t>(p.grad.element_size());
+  ZEAL_CHECK(g.numel() == n) << "a piece's gradients of " << g.numel() << " elements for " << n;
+  const at::ScalarType dtype = p.grad.scalar_type();
+  // A window's worth of elements at a time through set 0's bounce buffer (no step runs now).
+  const int64_t chunk = window_ * 4 / esize;
+  cpu::GradStats s;
+  for (int64_t c = 0; c < n; c += chunk) {
+    const int64_t len = std::min(chunk, n - c), bytes = round_up(len * esize, offload::kIoAlign);
+    const int64_t off = gswap_off_[k] + c * esize;
+    at::Tensor buf = at::from_blob(gbounce_[0].data_ptr(), {len}, at::TensorOptions().dtype(dtype));
+    const at::Tensor part = g.narrow(0, c, len);
+    if (gswap_written_[k]) {
+      gswap_->read(buf.data_ptr(), bytes, off);
+      buf.add_(part.scalar_type() == dtype ? part : part.to(dtype));  // as grad_shard_.add_ does
+    } else {
+      buf.copy_(part);
+    }
+    s = stats_from(buf, s);  // chunks are whole kStatsBlocks: the bits of the piece taken whole
+    gswap_->write(buf.data_ptr(), bytes, off);
+  }
+  gswap_stats_[k] = s;
+  gswap_written_[k] = 1;
+}
+
+at::Tensor ShardStep::read_grad(size_t k) {
+  ZEAL_CHECK(gswap_ && k < pieces_.size()) << "read_grad without gradient swap";
+  c10::NoGradGuard no_grad;
+  const Piece& p = pieces_[k];
+  const int64_t n = p.grad.numel(), esize = static_cast<int64_t>(p.grad.element_size());
+  at::Tensor out = at::zeros({n}, p.grad.options().device(at::kCPU));
+  if (!gswap_written_[k]) return out;
+  const int64_t chunk = window_ * 4 / esize;
+  for (int64_t c = 0; c < n; c += chunk) {
+    const int64_t len = std::min(chunk, n - c);
+    gswap_->read(gbounce_[0].data_ptr(), round_up(len * esize, offload::kIoAlign), gswap_off_[k] + c * esize);
+    out.narrow(0, c, len).copy_(at::from_blob(gbounce_[0].data_ptr(), {len}, out.options()));
+  }
+  return out;
+}
+
+// Elements [a, a + len) of the partition's gradients into win_grad_[k] as fp32: for each piece there,
+// the aligned bytes around its part through set k's bounce buffer (zeros for a piece with none).
+void ShardStep::read_grad_window(int64_t a, int64_t len, int k) {
+  c10::NoGradGuard no_grad;
+  for (size_t j = 0; j < pieces_.size(); ++j) {
+    const Piece& p = pieces_[j];
+    const int64_t lo = std::max(a, p.offset), hi = std::min(a + len, p.offset + p.grad.numel());
+    if (lo >= hi) continue;
+    at::Tensor dst = win_grad_[k].narrow(0, lo - a, hi - lo);
+    if (!gswap_written_[j]) {
+      dst.zero_();
+      continue;
+    }
+    const int64_t esize = static_cast<int64_t>(p.grad.element_size());
+    const int64_t first = gswap_off_[j] + (lo - p.offset) * esize, last = gswap_off_[j] + (hi - p.offset) * esize;
+    const int64_t begin = first / offload::kIoAlign * offload::kIoAlign, end = round_up(last, offload::kIoAlign);
+    gswap_->read(gbounce_[k].data_ptr(), end - begin, begin);
+    dst.copy_(at::from_blob(static_cast<char*>(gbounce_[k].data_ptr()) + (first - begin), {hi - lo},
+                            at::TensorOptions().dtype(p.grad.scalar_type())));
+  }
 }
 
 }  // namespace zeal::zero

@@ -28,6 +28,10 @@ cpu::DType kernel_dtype(at::ScalarType t);
 // Sum of squares and largest magnitude of one tensor: the SIMD kernel for contiguous CPU tensors,
 // tensor ops elsewhere.
 cpu::GradStats stats_of(const at::Tensor& t);
+// The same folded onto `acc`: stats_from(b, stats_from(a, {})) == stats_of(a ++ b) bit for bit when
+// a's size is a multiple of kStatsBlock (the gradient swap takes pieces a window at a time).
+cpu::GradStats stats_from(const at::Tensor& t, cpu::GradStats acc);
+inline constexpr int64_t kStatsBlock = 1024;
 
 class ShardStep;
 
@@ -86,9 +90,26 @@ class ShardStep {
   // step without offload.
   void offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::shared_ptr<offload::SwapFile> file,
                        int64_t window, int buffer_sets = 3);
+  // A `master` that is a meta tensor (sizes only) says the master weights are already in `file`'s
+  // first region, written there as they were made (never whole in host memory): only m and v are
+  // initialised.
   int buffer_sets() const { return sets_; }
-  // Bytes of this partition's state on disk (NVMe offload), else 0.
-  int64_t disk_bytes() const { return swap_ ? 3 * region_bytes_ : 0; }
+  // Gradient swap (after offload_to_nvme; DeepSpeed's ZeRO-Infinity swaps gradients out with the
+  // optimizer state): the reduced gradients leave host memory for `file`, each piece in a region of
+  // its own (aligned for O_DIRECT), in the accumulation dtype. The pieces' `grad` become meta tensors
+  // (sizes and dtype, no storage). accumulate_grad adds one micro-step's reduced gradients of a piece
+  // into the file (the first since clear_grads writes them) a window at a time and keeps their
+  // statistics; the step reads them back window by window beside master, m and v. Bit-identical
+  // updates; clip_grad_value (which needs the fp32 gradients whole) is refused.
+  void swap_gradients(std::shared_ptr<offload::SwapFile> file);
+  bool gradients_swapped() const { return gswap_ != nullptr; }
+  void accumulate_grad(size_t k, const at::Tensor& g);
+  // Swapped: every piece's gradient is zero again (nothing is written until the next accumulate_grad).
+  void clear_grads();
+  // Piece k's gradients as a host tensor in the accumulation dtype (zeros if none came).
+  at::Tensor read_grad(size_t k);
+  // Bytes of this partition's state on disk (NVMe offload), else 0; the swapped gradients included.
+  int64_t disk_bytes() const { return (swap_ ? 3 * region_bytes_ : 0) + gswap_bytes_; }
   // Multiplies the gradients by c: deferred into the update's multiplier when possible.
   void scale(double c);
   // The unscaled gradients as one fp32 tensor laid out like the master, to modify in place; made
@@ -133,6 +154,17 @@ class ShardStep {
   void state_io(const std::string& what, int64_t index, int64_t n, float* buf, bool write);
   void apply_offloaded(double lr, double inv_scale);
   void apply_nvme(double inv_scale);
+
+  // Gradient swap: piece k at byte gswap_off_[k] of gswap_; whether it holds this step's gradients and
+  // their statistics; one bounce buffer per buffer set (a window of fp32 plus alignment on each side)
+  // and one fp32 gradient window per set.
+  void read_grad_window(int64_t a, int64_t len, int k);
+  std::shared_ptr<offload::SwapFile> gswap_;
+  std::vector<int64_t> gswap_off_;
+  std::vector<char> gswap_written_;
+  std::vector<cpu::GradStats> gswap_stats_;
+  int64_t gswap_bytes_ = 0;
+  at::Tensor gbounce_[3], win_grad_[3];
 
   std::shared_ptr<offload::SwapFile> swap_;  // NVMe offload
   int64_t window_ = 0, region_bytes_ = 0;

@@ -18,6 +18,9 @@
 #include "engine/error.h"
 #include "engine/zero/host_memory.h"
 #include "engine/zero/sharded.h"
+#include "engine/memory.h"
+#include "offload/io.h"
+#include "offload/swap_dir.h"
 
 namespace zeal {
 namespace zero {
@@ -180,6 +183,38 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
                    static_cast<long long>(kept), static_cast<long long>(opts_.param_swap->options().max_in_cpu));
     }
   }
+  // offload_optimizer nvme: the master weights go to each group's swap file as they are made, a
+  // window at a time, never whole in host memory; the gradient shards are never made in host memory
+  // (swap_gradients below gives them files of their own).
+  struct MasterSpool {
+    std::shared_ptr<offload::SwapFile> file;
+    std::unique_ptr<offload::AlignedBuffer> buf;
+    int64_t cap = 0, fill = 0, written = 0;  // elements
+    void append(const at::Tensor& v) {
+      for (int64_t done = 0, n = v.numel(); done < n;) {
+        const int64_t take = std::min(cap - fill, n - done);
+        at::from_blob(buf->data() + fill * 4, {take}, at::kFloat).copy_(v.narrow(0, done, take));
+        fill += take;
+        done += take;
+        if (fill == cap) flush();
+      }
+    }
+    void flush() {
+      if (fill == 0) return;
+      const int64_t bytes = (fill * 4 + offload::kIoAlign - 1) / offload::kIoAlign * offload::kIoAlign;
+      file->write(buf->data(), bytes, written * 4);
+      written += fill;
+      fill = 0;
+    }
+  };
+  std::vector<MasterSpool> spools(opts_.nvme ? groups.size() : 0);
+  for (size_t g = 0; g < spools.size(); ++g) {
+    if (alias_master[g]) continue;
+    spools[g].file = std::make_shared<offload::SwapFile>(opts_.nvme->dir, opts_.nvme->io,
+                                                        "optimizer_group" + std::to_string(g) + ".swp");
+    spools[g].cap = std::clamp<int64_t>(opts_.nvme->sub_group_elems, 1024, kMaxNvmeWindowElems) / 1024 * 1024;
+    spools[g].buf = std::make_unique<offload::AlignedBuffer>(spools[g].cap * 4);
+  }
   int64_t persistent_bytes = 0;
   for (auto& u : units_) {
     bool from_init[2] = {false, false};  // a part gathered from init slices needs no broadcast
@@ -193,7 +228,8 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
     u->build(u->frozen_, from_init[1]);
     if (u->train_.layout) {
       const FlatLayout& l = *u->train_.layout;
-      u->grad_shard_ = at::zeros({l.shard_size()}, u->train_.shard.options().dtype(opts_.grad_accum_dtype));
+      const auto grad_opts = u->train_.shard.options().dtype(opts_.grad_accum_dtype);
+      u->grad_shard_ = opts_.nvme ? at::empty({l.shard_size()}, grad_opts.device(at::kMeta)) : at::zeros({l.shard_size()}, grad_opts);
       const int64_t shard_begin = l.shard_begin(comm_.rank()), shard_end = shard_begin + l.shard_size();
       // Each group's range of the flat buffer, cut by this rank's shard.
       for (size_t i = 0; i < u->train_.params.size();) {
@@ -204,7 +240,9 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
         const int64_t end = l.offset(static_cast<int>(j - 1)) + l.numel(static_cast<int>(j - 1));
         const int64_t a = std::max(begin, shard_begin), b = std::min(end, shard_end);
         if (a < b) {
-          if (!alias_master[g]) {  // offloaded: taken to the host now, never whole on the device
+          if (!alias_master[g] && opts_.nvme) {
+            spools[g].append(values.narrow(0, a, b - a));
+          } else if (!alias_master[g]) {  // offloaded: taken to the host now, never whole on the device
             masters[g].push_back(opts_.offload ? values.narrow(0, a, b - a).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)
                                                : values.narrow(0, a, b - a).clone());
           }
@@ -230,15 +268,20 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(opts_.device);
     at::Tensor master;
-    if (!alias_master[g]) master = masters[g].empty() ? at::empty({0}, fp32) : at::cat(masters[g]);
+    if (!alias_master[g] && opts_.nvme) {
+      spools[g].flush();
+      master = at::empty({master_size[g]}, fp32.device(at::kMeta));  // in the swap file already
+    } else if (!alias_master[g]) {
+      master = masters[g].empty() ? at::empty({0}, fp32) : at::cat(masters[g]);
+    }
     masters[g].clear();
     if (!opts_.offload) groups[g].optimizer->allocate_state(master_size[g], fp32);
     steps_.emplace_back(std::move(master), std::move(groups[g].optimizer), std::move(pieces[g]));
     if (opts_.nvme) {
-      steps_.back().offload_to_nvme(opts_.offload,
-                                    std::make_shared<offload::SwapFile>(opts_.nvme->dir, opts_.nvme->io,
-                                                                        "optimizer_group" + std::to_string(g) + ".swp"),
-                                    opts_.nvme->sub_group_elems, opts_.nvme->buffer_sets);
+      steps_.back().offload_to_nvme(opts_.offload, spools[g].file, opts_.nvme->sub_group_elems, opts_.nvme->buffer_sets);
+      steps_.back().swap_gradients(std::make_shared<offload::SwapFile>(
+          opts_.nvme->dir, opts_.nvme->io, "gradients_group" + std::to_string(g) + ".swp"));
+      gradients_swapped_ = true;
     } else if (opts_.offload) {
       steps_.back().offload_to(opts_.offload);
     }
@@ -396,8 +439,19 @@ void Stage3::apply(double inv_scale, const std::vector<double>& lrs) {
 void Stage3::clear_grads() {
   c10::NoGradGuard no_grad;
   for (auto& u : units_)
-    if (u->grad_shard_.defined()) u->grad_shard_.zero_();
-  for (auto& s : steps_) s.reset();
+    if (u->grad_shard_.defined() && !u->grad_shard_.is_meta()) u->grad_shard_.zero_();
+  for (auto& s : steps_) {
+    s.reset();
+    if (s.gradients_swapped()) s.clear_grads();
+  }
+}
+
+void Stage3::accumulate_swapped(const Unit& u, const at::Tensor& mine) {
+  for (size_t j = 0; j < u.master_pieces_.size(); ++j) {
+    const auto [g, k] = u.master_pieces_[j];
+    ShardStep& s = steps_[g];
+    s.accumulate_grad(k, mine.narrow(0, u.master_piece_shard_[j], s.piece(k).grad.numel()));
+  }
 }
 
 // --- gathered(), full gradients ------------------------------------------------------------------
@@ -454,12 +508,21 @@ at::Tensor Stage3::full_grad(const at::Tensor& param, double inv_scale) {
     for (size_t i = 0; i < t.params.size(); ++i) {
       if (t.params[i].unsafeGetTensorImpl() != param.unsafeGetTensorImpl()) continue;
       const FlatLayout& l = *t.layout;
-      at::Tensor full = at::empty({l.padded_total()}, u->grad_shard_.options());
+      at::Tensor shard = u->grad_shard_;
+      if (gradients_swapped_) {  // this unit's pieces, read back from the swap files
+        shard = at::zeros({l.shard_size()}, u->grad_shard_.options().device(u->train_.shard.device()));
+        for (size_t j = 0; j < u->master_pieces_.size(); ++j) {
+          const auto [g, k] = u->master_pieces_[j];
+          const at::Tensor piece = steps_[g].read_grad(k);
+          shard.narrow(0, u->master_piece_shard_[j], piece.numel()).copy_(piece);
+        }
+      }
+      at::Tensor full = at::empty({l.padded_total()}, shard.options());
       CollectiveLabel label(comm_, fmt::format("{}, full_grad", u->name()));
       if (comm_.world_size() > 1) {
-        comm_.all_gather(u->grad_shard_, full).wait();
+        comm_.all_gather(shard, full).wait();
       } else {
-        full.copy_(u->grad_shard_);
+        full.copy_(shard);
       }
       at::Tensor g = full.narrow(0, l.offset(static_cast<int>(i)), t.params[i].numel()).view(t.params[i].sizes());
       return (inv_scale == 1.0 ? g : g * inv_scale).clone();
@@ -477,7 +540,7 @@ GroupBytes Stage3::bytes() const {
   GroupBytes out;
   for (auto& u : units_) {
     if (u->train_.layout) out.params += u->train_.shard.storage().nbytes();  // 0 while on disk
-    if (u->grad_shard_.defined()) out.grads += u->grad_shard_.nbytes();
+    if (u->grad_shard_.defined() && !u->grad_shard_.is_meta()) out.grads += u->grad_shard_.nbytes();
     if (u->grad_staging_.defined()) out.workspace += u->grad_staging_.nbytes();
   }
   for (auto& s : steps_) {

@@ -129,6 +129,10 @@ class Stage3 final : public Sharding {
   // Outside any backward: notices a backward that ended with an error.
   void check_abandoned_backward() { end_of_backward_.check(); }
   void launch_ready_reductions();
+  // offload_optimizer nvme: the reduced gradients live in the optimizer's swap files, not in the units.
+  bool gradients_swapped() const { return gradients_swapped_; }
+  // Adds one micro-step's reduced gradients of a unit's shard (`mine`) into the swapped pieces.
+  void accumulate_swapped(const Unit& u, const at::Tensor& mine);
 
  protected:
   std::vector<ShardStep*> shard_steps() override;
@@ -154,6 +158,7 @@ class Stage3 final : public Sharding {
   EndOfBackward end_of_backward_;
   int64_t trainable_elems_ = 0;
   bool root_released_in_step_ = false;  // the root is above the persistence threshold
+  bool gradients_swapped_ = false;
   bool pass_ended_ = false;             // a backward pass ended since the micro-step began
   int64_t passes_ = 0;
 };

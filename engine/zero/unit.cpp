@@ -234,6 +234,11 @@ void Unit::finish_reduction() {
   if (!grad_staging_.defined()) return;
   const FlatLayout& l = *train_.layout;
   const at::Tensor mine = grad_staging_.narrow(0, l.shard_begin(owner_.comm().rank()), l.shard_size());
+  if (owner_.gradients_swapped()) {  // offload_optimizer nvme: into the swap files
+    owner_.accumulate_swapped(*this, mine);
+    grad_staging_ = at::Tensor();
+    return;
+  }
   grad_shard_.add_(mine.scalar_type() == grad_shard_.scalar_type() ? mine : mine.to(grad_shard_.scalar_type()));
   grad_staging_ = at::Tensor();
 }

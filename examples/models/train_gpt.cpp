@@ -312,7 +312,7 @@ int main(int argc, char** argv) {
       engine.print(fmt::format("zeal: train peak resident set {} (rank 0) = {}", zeal::format_bytes(static_cast<double>(train_mem.cpu.peak)),
                                parts));
       if (train_mem.engine.offload_disk > 0) {
-        engine.print(fmt::format("zeal: on disk: {} of optimizer state", zeal::format_bytes(static_cast<double>(train_mem.engine.offload_disk))));
+        engine.print(fmt::format("zeal: on disk: {} (offloaded optimizer state, gradients, parameters)", zeal::format_bytes(static_cast<double>(train_mem.engine.offload_disk))));
       }
     }
   } catch (const std::exception& e) {
