@@ -12,6 +12,7 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cmath>
@@ -122,6 +123,11 @@ Engine::Engine(Config config, Runtime& runtime)
 
 Engine::~Engine() {
   finish_background_save();
+  // Stage 3 leaves the model gathered (usable) when the engine goes, unless the engine held its
+  // last handle: then the model goes too, and gathering it whole would only cost memory.
+  if (state_ && state_->module && state_->module.use_count() == 1) {
+    if (auto* s3 = dynamic_cast<zero::Stage3*>(state_->zero.get())) s3->skip_gather_at_shutdown();
+  }
   if (state_ && state_->module) remember_prepared(state_->module.get(), nullptr);
   if (state_ && state_->init_module) remember_prepared(state_->init_module, nullptr);
 }
@@ -146,6 +152,20 @@ void Engine::init() {
   fill(config_.zero.reduce_bucket_size, int64_t{500'000'000});
   fill(config_.zero.stage3_prefetch_bucket_size, int64_t{50'000'000});
   fill(config_.zero.stage3_param_persistence_threshold, int64_t{100'000});
+  // Accelerate builds a ZeRO-3 model partitioned unless told otherwise: its DeepSpeed plugin takes an
+  // unset zero3_init_flag from ACCELERATE_DEEPSPEED_ZERO3_INIT, else from whether the config is stage 3.
+  if (config_.launch.distributed_type == "DEEPSPEED" && config_.zero.stage == 3) {
+    const auto it = config_.origins.find("zero_optimization.zero3_init_flag");
+    if (it == config_.origins.end() || it->second.kind == Origin::Kind::kDefault) {
+      const char* env = std::getenv("ACCELERATE_DEEPSPEED_ZERO3_INIT");
+      std::string e = env ? env : "";
+      for (auto& ch : e) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+      config_.zero.zero3_init_flag = !(e == "0" || e == "false" || e == "no" || e == "n" || e == "f" || e == "off");
+      config_.origins["zero_optimization.zero3_init_flag"] =
+          Origin{Origin::Kind::kProgram, env && *env ? "ACCELERATE_DEEPSPEED_ZERO3_INIT"
+                                                     : "Accelerate's default for a ZeRO-3 DeepSpeed config"};
+    }
+  }
   accumulation_steps_ = config_.gradient_accumulation_steps.is_auto ? 1 : config_.gradient_accumulation_steps.value;
   if (accumulation_steps_ < 1) {
     throw Error(fmt::format("gradient_accumulation_steps must be at least 1, got {}", accumulation_steps_));

@@ -50,9 +50,10 @@ struct StageModel {
 double expected_model_state_bytes(const StageModel& m);
 
 // offload_optimizer.device nvme: the most elements one optimizer window holds, whatever
-// sub_group_size says — beyond 16 MiB per tensor a window only costs host memory (three buffer sets
-// of master, m, v, the gradients and their read buffer), and the disk streams 1 MiB requests anyway.
-constexpr int64_t kMaxNvmeWindowElems = int64_t{1} << 22;
+// sub_group_size says — beyond 8 MiB per tensor (DeepSpeed's aio defaults: 1 MiB requests, 8 in
+// flight) a window only costs host memory: three buffer sets of master, m, v, the gradients and
+// their read buffer.
+constexpr int64_t kMaxNvmeWindowElems = int64_t{1} << 21;
 // Host bytes per window element: per buffer set master, m, v, gradients (fp32) and the gradients'
 // read buffer, times the sets, plus the result window (at most fp32).
 constexpr int64_t nvme_window_bytes_per_elem(int buffer_sets) { return 20 * buffer_sets + 4; }

@@ -347,18 +347,6 @@ std::vector<std::string> Config::validate() const {
 void Config::resolve_auto(const ProgramValues& v) {
   std::vector<std::string> errors;
   auto program = [](const std::string& what) { return Origin{Origin::Kind::kProgram, what}; };
-  // Accelerate builds a ZeRO-3 model partitioned unless told otherwise: its DeepSpeed plugin takes an
-  // unset zero3_init_flag from ACCELERATE_DEEPSPEED_ZERO3_INIT, else from whether the config is stage 3.
-  if (launch.distributed_type == "DEEPSPEED" && zero.stage == 3 && !explicitly_set(*this, "zero_optimization.zero3_init_flag")) {
-    const char* env = std::getenv("ACCELERATE_DEEPSPEED_ZERO3_INIT");
-    std::string e = env ? env : "";
-    for (auto& ch : e) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-    const bool off = e == "0" || e == "false" || e == "no" || e == "n" || e == "f" || e == "off";
-    zero.zero3_init_flag = !off;
-    origins["zero_optimization.zero3_init_flag"] =
-        Origin{Origin::Kind::kProgram,
-               env && *env ? "ACCELERATE_DEEPSPEED_ZERO3_INIT" : "Accelerate's default for a ZeRO-3 DeepSpeed config"};
-  }
   auto missing = [&](const std::string& key, const std::string& what) {
     errors.push_back(fmt::format("{} is \"auto\" ({}) but the program passed no {}", key,
                                  origin_of(*this, key).describe(), what));

@@ -14,8 +14,10 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <fstream>
 #include <deque>
 #include <utility>
 #include <filesystem>
@@ -62,6 +64,9 @@ struct Rank {
   bool running = false;
   int status = 0;  // waitpid status once exited
   int64_t max_rss = 0;  // the kernel's peak resident set of the rank's process, once exited (bytes)
+  // The most VmHWM read from /proc while it ran: a program may reset its own high-water mark
+  // (/proc/self/clear_refs, as zeal's memory tracker does per phase), which ru_maxrss then misses.
+  int64_t polled_peak = 0;
   Stream out, err;
   std::deque<std::string> tail;
 };
@@ -357,9 +362,23 @@ class Group {
     }
   }
 
+  void sample_peaks() {
+    for (auto& r : ranks_) {
+      if (!r.running) continue;
+      std::ifstream in("/proc/" + std::to_string(r.pid) + "/status");
+      std::string line;
+      while (std::getline(in, line)) {
+        if (line.rfind("VmHWM:", 0) != 0) continue;
+        r.polled_peak = std::max<int64_t>(r.polled_peak, std::atoll(line.c_str() + 6) * 1024);
+        break;
+      }
+    }
+  }
+
   void loop() {
     for (int sig : early_signals_) on_stop_signal(sig);
     for (;;) {
+      if (o_.verbose) sample_peaks();
       reap();
       report_early_exit();
       const bool any_running = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; });
@@ -380,7 +399,7 @@ class Group {
         for (size_t i = 1; i < fds.size(); ++i) drain(*owners[i].first, *owners[i].second);
         return;
       }
-      int timeout_ms = early_exit_ && !early_exit_reported_ ? 250 : 1000;
+      int timeout_ms = early_exit_ && !early_exit_reported_ ? 250 : o_.verbose ? 100 : 1000;
       if (stopping_) {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(kill_deadline_ - Clock::now()).count();
         if (left <= 0) {
@@ -428,15 +447,17 @@ class Group {
       return exit_code_of(r.status);
     }
     if (interrupted_by_ != 0) return 128 + interrupted_by_;
-    // With --verbose, what each rank's process held at most, as the kernel counted it: the sum
-    // bounds the node's peak from above.
+    // With --verbose, what each rank's process held at most, as the kernel counted it (its
+    // high-water mark, read every 100 ms while it ran and at its exit): the sum bounds the node's
+    // peak from above.
     const double seconds = std::chrono::duration<double>(Clock::now() - started_).count();
     if (o_.verbose) {
       std::string per;
       int64_t sum = 0;
       for (const auto& r : ranks_) {
-        per += fmt::format("{}rank {} {:.2f} GiB", per.empty() ? "" : ", ", r.global, static_cast<double>(r.max_rss) / (1 << 30));
-        sum += r.max_rss;
+        const int64_t peak = std::max(r.max_rss, r.polled_peak);
+        per += fmt::format("{}rank {} {:.2f} GiB", per.empty() ? "" : ", ", r.global, static_cast<double>(peak) / (1 << 30));
+        sum += peak;
       }
       std::fprintf(stderr, "zeal launch: peak resident set per rank: %s; sum %.2f GiB; %.0f s\n", per.c_str(),
                    static_cast<double>(sum) / (1 << 30), seconds);

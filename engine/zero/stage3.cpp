@@ -44,7 +44,8 @@ Stage3::~Stage3() {
     try {
       c10::NoGradGuard no_grad;
       for (auto& [u, w] : in_flight_) w.wait();
-      for (auto& u : units_) u->gather(true, "shutdown");
+      if (gather_at_shutdown_)
+        for (auto& u : units_) u->gather(true, "shutdown");
     } catch (const std::exception& e) {
       std::cerr << "zeal: stage 3 could not gather the model at shutdown, exiting: " << e.what() << std::endl;
       std::_Exit(EXIT_FAILURE);

@@ -131,6 +131,9 @@ class Stage3 final : public Sharding {
   void launch_ready_reductions();
   // offload_optimizer nvme: the reduced gradients live in the optimizer's swap files, not in the units.
   bool gradients_swapped() const { return gradients_swapped_; }
+  // Nobody holds the model any more (the engine goes with the last handle): the destructor need not
+  // gather every unit to leave it usable — the whole model at once, which may not fit where shards do.
+  void skip_gather_at_shutdown() { gather_at_shutdown_ = false; }
   // Adds one micro-step's reduced gradients of a unit's shard (`mine`) into the swapped pieces.
   void accumulate_swapped(const Unit& u, const at::Tensor& mine);
 
@@ -159,6 +162,7 @@ class Stage3 final : public Sharding {
   int64_t trainable_elems_ = 0;
   bool root_released_in_step_ = false;  // the root is above the persistence threshold
   bool gradients_swapped_ = false;
+  bool gather_at_shutdown_ = true;
   bool pass_ended_ = false;             // a backward pass ended since the micro-step began
   int64_t passes_ = 0;
 };

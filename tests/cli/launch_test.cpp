@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,6 +12,8 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -28,6 +31,22 @@ namespace {
 
 
 bool alive(pid_t pid) { return kill(pid, 0) == 0; }
+
+// This binary as a rank program for PeakIncludesWhatARankResetItself (ZEAL_TEST_HWM_CHILD set): it
+// touches 256 MiB, gives them back, then resets its own high-water mark as zeal's memory tracker
+// does per phase (after which the kernel's ru_maxrss no longer shows them) and lingers a moment.
+const bool g_hwm_child = [] {
+  if (!std::getenv("ZEAL_TEST_HWM_CHILD")) return false;
+  const size_t n = size_t{256} << 20;
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) _exit(3);
+  std::memset(p, 1, n);
+  munmap(p, n);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  std::ofstream("/proc/self/clear_refs") << "5";
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  _exit(0);
+}();
 
 // Alive and not a zombie waiting for a parent to reap it.
 bool running(pid_t pid) {
@@ -195,6 +214,22 @@ TEST_F(Launch, RanksStartedWithDifferentStagesAreToldSo) {
                          std::string::npos;
   EXPECT_TRUE(named) << r.output;
   EXPECT_EQ(r.output.find("has not entered any collective"), std::string::npos) << r.output;
+}
+
+// --verbose's peak per rank is the most the rank held, even where the rank reset its own
+// high-water mark afterwards (the launcher reads it while the rank runs, not only at its exit).
+TEST_F(Launch, PeakIncludesWhatARankResetItself) {
+  char self[4096] = {};
+  ASSERT_GT(readlink("/proc/self/exe", self, sizeof self - 1), 0);
+  Result r = run_zeal("launch --verbose --num_processes 1 --main_process_port " + std::to_string(port_for2(5)) + " " + self,
+                      "ZEAL_TEST_HWM_CHILD=1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string key = "peak resident set per rank: rank 0 ";
+  const auto at = r.output.find(key);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const double gib = std::atof(r.output.c_str() + at + key.size());
+  EXPECT_GE(gib, 0.25) << r.output;
+  EXPECT_LT(gib, 1.0) << r.output;
 }
 
 // kill -9 of the launcher: its ranks die with it (parent-death signal), none trains on as an orphan.

@@ -196,11 +196,25 @@ TEST(Stage3Divergence, FailedGatherAtShutdownExitsNonZero) {
   const Outcome out = run_two(false, 5, [](zeal::Engine& e, Chain& m, zeal::PreparedOptimizer& o, int rank) {
     train_step(e, m, o, 0);
     e.wait_for_everyone();
+    new Chain(m);  // the program still holds the model when the engine goes: it is gathered then
     if (rank == 1) std::_Exit(0);  // gone without the shutdown gather
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
   });
   EXPECT_EQ(out.failures[1], "");
   EXPECT_NE(out.failures[0], "") << "rank 0 could not gather at shutdown and must say so with its exit status";
+}
+
+// A model whose last handle goes with the engine is not gathered at shutdown (no collective: rank 0
+// exits cleanly though rank 1 is gone; gathering would put the whole model in memory for nothing).
+TEST(Stage3Divergence, ModelGoingWithTheEngineIsNotGathered) {
+  const Outcome out = run_two(false, 5, [](zeal::Engine& e, Chain& m, zeal::PreparedOptimizer& o, int rank) {
+    train_step(e, m, o, 0);
+    e.wait_for_everyone();
+    if (rank == 1) std::_Exit(0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  });
+  EXPECT_EQ(out.failures[1], "");
+  EXPECT_EQ(out.failures[0], "") << "rank 0 gathered a model nobody holds";
 }
 
 // Every unit under the persistence threshold: stage 3 says once that nothing is sharded.
