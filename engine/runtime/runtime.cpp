@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -269,7 +270,31 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
       env.world_size == 1 ? "127.0.0.1" : env.master_addr));
 }
 
-Runtime::~Runtime() = default;
+// The rendezvous store lives in rank 0, so rank 0 leaves last: each other rank, its communicators
+// (and their heartbeats) stopped, says it is leaving, and rank 0 waits up to a second for all of them
+// before its store goes; no rank's last store call meets a closed socket (c10d would print a broken
+// pipe and a backtrace from a run that succeeded).
+Runtime::~Runtime() {
+  if (!impl_) return;
+  Impl& m = *impl_;
+  m.nccl.reset();
+  m.gloo.reset();
+  if (!m.store || m.env.world_size < 2 || std::uncaught_exceptions() > 0) return;
+  const auto bound = std::chrono::milliseconds(1000);
+  try {
+    if (m.env.rank != 0) {
+      detail::run_bounded([s = m.store, key = "zeal/leave/" + std::to_string(m.env.rank)] {
+        s->set(key, std::vector<uint8_t>{1});
+      }, bound, "leaving");
+    } else {
+      std::vector<std::string> keys;
+      for (int r = 1; r < m.env.world_size; ++r) keys.push_back("zeal/leave/" + std::to_string(r));
+      detail::run_bounded([s = m.store, keys, bound] { s->wait(keys, bound); }, bound + std::chrono::milliseconds(500),
+                          "leaving");
+    }
+  } catch (...) {  // a rank that is gone or late: leave anyway
+  }
+}
 
 const DistEnv& Runtime::env() const { return impl_->env; }
 

@@ -287,6 +287,13 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
       steps_.back().offload_to(opts_.offload);
     }
   }
+  if (opts_.nvme && comm_.rank() == 0) {  // what the disk now holds for this rank, and what is left
+    int64_t disk = opts_.param_swap ? opts_.param_swap->disk_bytes() : 0;
+    for (const auto& s : steps_) disk += s.disk_bytes();
+    std::fprintf(stderr, "zeal: nvme: rank 0's swap files take %.2f GiB in %s; %.2f GiB free there now\n",
+                 static_cast<double>(disk) / (1 << 30), opts_.nvme->dir->path().c_str(),
+                 static_cast<double>(opts_.nvme->dir->free_bytes()) / (1 << 30));
+  }
   for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i)
     if (units_[i]->has_trainable()) reduce_order_.push_back(i);
 
