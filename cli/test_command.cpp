@@ -4,7 +4,9 @@
 
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -47,6 +49,14 @@ int worker(const std::string& backend) {
     std::printf("%s\n", failed ? "FAIL" : "PASS");
   }
   std::fflush(stdout);
+  // ZEAL_TEST_LINGER=R:MS: rank R waits MS milliseconds before it leaves (the runtime's exit handshake
+  // with a rank that is still freeing memory or deleting files, as after a large run).
+  if (const char* linger = std::getenv("ZEAL_TEST_LINGER")) {
+    int r = -1, ms = 0;
+    if (std::sscanf(linger, "%d:%d", &r, &ms) == 2 && r == rt.rank() && ms > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    }
+  }
   return failed ? 1 : 0;
 }
 

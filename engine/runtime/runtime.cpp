@@ -18,6 +18,7 @@
 #include <mutex>
 #include <utility>
 #include <sstream>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -271,16 +272,20 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
 }
 
 // The rendezvous store lives in rank 0, so rank 0 leaves last: each other rank, its communicators
-// (and their heartbeats) stopped, says it is leaving, and rank 0 waits up to a second for all of them
-// before its store goes; no rank's last store call meets a closed socket (c10d would print a broken
-// pipe and a backtrace from a run that succeeded).
+// (and their heartbeats) stopped, says it is leaving, and rank 0 waits for all of them (up to 10 s:
+// a rank may still be freeing gigabytes or deleting its swap files) before its store goes; no
+// rank's last store call meets a closed socket (c10d would print a broken pipe and a backtrace
+// from a run that succeeded). Rank 0 polls with check(): c10d's timed wait prints a warning
+// whenever its timeout passes. A failing rank leaves at once (a peer it waited for may be gone);
+// under zeal::spawn the parent hosts the store and nobody waits.
 Runtime::~Runtime() {
   if (!impl_) return;
   Impl& m = *impl_;
   m.nccl.reset();
   m.gloo.reset();
-  if (!m.store || m.env.world_size < 2 || std::uncaught_exceptions() > 0) return;
+  if (!m.store || m.env.world_size < 2 || m.options.store_hosted_elsewhere || std::uncaught_exceptions() > 0) return;
   const auto bound = std::chrono::milliseconds(1000);
+  const auto wait_for = std::chrono::milliseconds(10000);
   try {
     if (m.env.rank != 0) {
       detail::run_bounded([s = m.store, key = "zeal/leave/" + std::to_string(m.env.rank)] {
@@ -289,8 +294,14 @@ Runtime::~Runtime() {
     } else {
       std::vector<std::string> keys;
       for (int r = 1; r < m.env.world_size; ++r) keys.push_back("zeal/leave/" + std::to_string(r));
-      detail::run_bounded([s = m.store, keys, bound] { s->wait(keys, bound); }, bound + std::chrono::milliseconds(500),
-                          "leaving");
+      detail::run_bounded(
+          [s = m.store, keys, wait_for] {
+            const auto until = std::chrono::steady_clock::now() + wait_for;
+            while (!s->check(keys) && std::chrono::steady_clock::now() < until) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(20));
+            }
+          },
+          wait_for + std::chrono::milliseconds(500), "leaving");
     }
   } catch (...) {  // a rank that is gone or late: leave anyway
   }
@@ -320,25 +331,49 @@ Communicator& Runtime::cuda_comm() {
 }
 
 // The program's store calls, each under comm_timeout (plus a margin for the wait's own deadline):
-// a stopped store host is an error naming it, not a hang.
+// a stopped store host is an error naming it, not a hang, and a store whose host died (its socket
+// reset or closed) is an error naming the host too, not c10d's bare "Connection reset by peer".
+namespace {
+
+template <class F>
+auto naming_the_store_host(const DistEnv& env, const std::string& what, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const c10::DistNetworkError& e) {  // not a timeout: the socket failed
+    throw Error(fmt::format("{} lost the store at {}:{}: {} exited or closed it? ({})", what, env.master_addr,
+                            env.master_port, detail::store_host(), first_line(without_backtrace(e.what()))));
+  }
+}
+
+}  // namespace
+
 void Runtime::store_set(const std::string& key, const std::string& value) {
-  detail::run_bounded([store = impl_->store, key = "user/" + key, v = bytes(value)] { store->set(key, v); },
-                      impl_->timeout, fmt::format("rank {}: store_set({}):", rank(), key));
+  const std::string what = fmt::format("rank {}: store_set({}):", rank(), key);
+  naming_the_store_host(impl_->env, what, [&] {
+    detail::run_bounded([store = impl_->store, key = "user/" + key, v = bytes(value)] { store->set(key, v); },
+                        impl_->timeout, what);
+  });
 }
 
 std::string Runtime::store_get(const std::string& key) {
   const auto t = impl_->timeout;
-  return detail::bounded<std::string>(
-      [store = impl_->store, key = "user/" + key, t] {
-        store->wait({key}, t);
-        return text(store->get(key));
-      },
-      t + std::chrono::seconds(10), fmt::format("rank {}: store_get({}):", rank(), key));
+  const std::string what = fmt::format("rank {}: store_get({}):", rank(), key);
+  return naming_the_store_host(impl_->env, what, [&] {
+    return detail::bounded<std::string>(
+        [store = impl_->store, key = "user/" + key, t] {
+          store->wait({key}, t);
+          return text(store->get(key));
+        },
+        t + std::chrono::seconds(10), what);
+  });
 }
 
 int64_t Runtime::store_add(const std::string& key, int64_t delta) {
-  return detail::bounded<int64_t>([store = impl_->store, key = "user/" + key, delta] { return store->add(key, delta); },
-                                  impl_->timeout, fmt::format("rank {}: store_add({}):", rank(), key));
+  const std::string what = fmt::format("rank {}: store_add({}):", rank(), key);
+  return naming_the_store_host(impl_->env, what, [&] {
+    return detail::bounded<int64_t>(
+        [store = impl_->store, key = "user/" + key, delta] { return store->add(key, delta); }, impl_->timeout, what);
+  });
 }
 
 #ifndef ZEAL_HAVE_NCCL

@@ -216,6 +216,21 @@ TEST_F(Launch, RanksStartedWithDifferentStagesAreToldSo) {
   EXPECT_EQ(r.output.find("has not entered any collective"), std::string::npos) << r.output;
 }
 
+// Rank 0 hosts the store and leaves last: a rank that takes seconds more to finish (freeing
+// gigabytes, deleting swap files) still says goodbye to a live store, and neither side prints c10d's
+// warnings or a broken pipe from a run that succeeded.
+TEST_F(Launch, RankZeroWaitsForASlowRankToLeaveQuietly) {
+  Result r = run_zeal("launch --num_processes 2 --main_process_port " + std::to_string(port_for2(7)) + " " + ZEAL_CLI +
+                          " test",
+                      "ZEAL_TEST_WORKER=1 ZEAL_TEST_LINGER=1:3000");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("PASS"), std::string::npos) << r.output;
+  for (const char* bad : {"waitForInput", "timed out", "Broken pipe", "broken pipe", "Exception raised", "[W"}) {
+    EXPECT_EQ(r.output.find(bad), std::string::npos) << bad << " in:\n" << r.output;
+  }
+  EXPECT_GE(r.seconds, 3) << r.output;
+}
+
 // --verbose's peak per rank is the most the rank held, even where the rank reset its own
 // high-water mark afterwards (the launcher reads it while the rank runs, not only at its exit).
 TEST_F(Launch, PeakIncludesWhatARankResetItself) {

@@ -4,12 +4,15 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 #include <dirent.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 
 #include <chrono>
 #include <cstdlib>
+#include <map>
+#include <string>
 #include <thread>
 
 #include "engine/comm/selfcheck.h"
@@ -347,6 +350,50 @@ TEST(Rendezvous, UnreachableMasterIsAClearErrorAfterTheTimeout) {
         << e.what();
   }
   EXPECT_LT(seconds_since(t0), 15);
+}
+
+// Rank 0 hosts the store; when it dies, a rank waiting on the store hears who is gone, not
+// c10d's bare "Connection reset by peer" (the engine's start-up waits on the store this way).
+TEST(Rendezvous, StoreHostThatDiesIsNamedByAWaitingRank) {
+  const int port = 31900 + static_cast<int>(getpid() % 500);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // rank 0: meets rank 1, then dies without a word
+    EnvGuard g({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}});
+    try {
+      RuntimeOptions o;
+      o.comm_timeout = 20;
+      o.report_uncaught = false;
+      Runtime rt(DistEnv::from_environment(), o);
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      _exit(0);  // as a killed process: no goodbye
+    } catch (...) {
+      _exit(3);
+    }
+    _exit(0);
+  }
+  EnvGuard g({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}});
+  RuntimeOptions o;
+  o.comm_timeout = 20;
+  o.report_uncaught = false;
+  std::string message;
+  const auto t0 = Clock::now();
+  {
+    Runtime rt(DistEnv::from_environment(), o);
+    try {
+      rt.store_get("never-set");
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_NE(message.find("rank 1: store_get(never-set): lost the store at 127.0.0.1:" + std::to_string(port)),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("rank 0, which hosts the rendezvous store, exited or closed it?"), std::string::npos) << message;
+  EXPECT_LT(seconds_since(t0), 15) << message;
 }
 
 }  // namespace
