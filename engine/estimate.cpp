@@ -124,6 +124,7 @@ ModelShape gpt_shape(const std::string& name, int64_t vocab, int64_t context, in
   m.largest_layer = std::max(vocab * dim, 4 * dim * dim + 4 * dim);  // the token embedding, or the MLP's fc
   m.largest_param = std::max(vocab * dim, 4 * dim * dim);
   m.largest_param_grads = vocab * dim >= 4 * dim * dim ? 2 : 1;  // the head is tied to the token embedding
+  m.tied_head = vocab * dim;
   m.units.push_back(root);
   for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
   m.transformer = ModelShape::Transformer{layers, dim, heads, vocab, 4 * dim};
@@ -158,6 +159,7 @@ ModelShape hf_config_shape(const std::string& path) {
     m.largest_layer = std::max(vocab * h, h * ffn + ffn);
     m.largest_param = std::max(vocab * h, h * ffn);
     m.largest_param_grads = vocab * h >= h * ffn ? 2 : 1;
+    m.tied_head = vocab * h;  // GPT2LMHeadModel ties lm_head to wte
     m.units.push_back(root);
     for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
     m.transformer = ModelShape::Transformer{layers, h, heads, vocab, ffn};
@@ -173,6 +175,7 @@ ModelShape hf_config_shape(const std::string& path) {
     m.largest_layer = std::max(vocab * h, h * ffn);
     m.largest_param = m.largest_layer;
     m.largest_param_grads = tied && vocab * h >= h * ffn ? 2 : 1;
+    m.tied_head = tied ? vocab * h : 0;
     m.units.push_back(root);
     for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
     m.transformer = ModelShape::Transformer{layers, h, heads, vocab, ffn};
@@ -201,15 +204,29 @@ std::string offload_name(Offload o) {
   }
 }
 
-// Stage 3: the most parameter elements gathered at once over a training pass, following the fetch
-// coordinator's rules along the units' trace (forward over the blocks, backward in reverse; the root
-// and units within stage3_param_persistence_threshold stay gathered): the unit in use, the next one
-// not gathered yet (prefetch), and a unit kept after its use while its next use comes within
-// stage3_max_reuse_distance elements and the units kept stay within stage3_max_live_parameters (for
-// gpt2-1.3b on 2 ranks: 711 M elements, where the run measured 709 M).
-double gathered_peak_elems(const ModelShape& m, const RunShape& r) {
+// Stage 3 with several ranks: the moment of a training pass that holds the most, following the
+// fetch coordinator's rules along the units' trace (forward over the blocks, backward in reverse;
+// the root and units within stage3_param_persistence_threshold stay gathered): at each unit the
+// unit in use and the next one not gathered yet (prefetch) are gathered, and a unit used is kept
+// while its next use comes within stage3_max_reuse_distance elements and the units kept stay within
+// stage3_max_live_parameters. Beside the gathered units each moment holds
+//   forward:    the activations of the blocks run so far;
+//   turnaround: all activations with the logits, their softmax and gradient; then, in the head's
+//               backward, the logits' gradient and the tied head's gradient (it waits for the
+//               embedding's through the whole backward);
+//   backward:   the activations not yet used, the tied head's gradient, and the reduction staging
+//               (comm dtype, a unit's size) of the unit in backward and of the two before it (at
+//               most two reductions in flight);
+//   end:        the root's staging as the embedding's gradient arrives, with both halves of the
+//               tied gradient and the last two reductions in flight.
+// (gpt2-1.3b, bf16, 2 ranks, 2 x 64 tokens: 1.32 GiB gathered, 3 x 192 MiB staging, as measured.)
+struct Stage3Peak {
+  double bytes = 0, gathered_elems = 0, staging_elems = 0, activations = 0, logits = 0, tied = 0;
+};
+
+Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double G, double activations, double logits,
+                       double logits_grad, double tied_elems) {
   const size_t n = m.units.size();
-  if (n < 2) return static_cast<double>(m.params);
   const double threshold = m.transformer ? 10.0 * static_cast<double>(m.transformer->hidden) : 1e5;  // "auto"
   std::vector<char> persistent(n, 0), held(n, 0);
   double persistent_elems = 0;
@@ -219,9 +236,16 @@ double gathered_peak_elems(const ModelShape& m, const RunShape& r) {
     if (persistent[i]) persistent_elems += static_cast<double>(m.units[i]);
     else trace.push_back(i);
   }
-  for (size_t k = trace.size(); k-- > 0;) trace.push_back(trace[k]);
+  const size_t nf = trace.size();
+  for (size_t k = nf; k-- > 0;) trace.push_back(trace[k]);
   const double R = static_cast<double>(r.max_reuse_distance), live_cap = static_cast<double>(r.max_live_parameters);
-  double live = 0, peak = 0;
+  const double tied = P * tied_elems;
+  Stage3Peak best;
+  auto consider = [&](double gathered, double staging, double acts, double lg, double td) {
+    const double bytes = P * gathered + G * staging + acts + lg + td;
+    if (bytes > best.bytes) best = {bytes, gathered, staging, acts, lg, td};
+  };
+  double live = 0;
   auto hold = [&](size_t u) {
     if (!held[u]) live += static_cast<double>(m.units[u]);
     held[u] = 1;
@@ -230,6 +254,7 @@ double gathered_peak_elems(const ModelShape& m, const RunShape& r) {
     if (held[u]) live -= static_cast<double>(m.units[u]);
     held[u] = 0;
   };
+  const double per_block = nf > 0 ? activations / static_cast<double>(nf) : 0;
   for (size_t k = 0; k < trace.size(); ++k) {
     const size_t u = trace[k];
     hold(u);
@@ -239,7 +264,19 @@ double gathered_peak_elems(const ModelShape& m, const RunShape& r) {
         break;
       }
     }
-    peak = std::max(peak, live);
+    const double gathered = persistent_elems + live;
+    if (k < nf) {
+      consider(gathered, 0, per_block * static_cast<double>(k + 1), 0, 0);
+    } else {
+      const size_t b = k - nf;
+      if (b == 0) {
+        consider(gathered, 0, activations, logits, 0);
+        consider(gathered, 0, activations, logits_grad, tied);
+      }
+      double staging = 0;
+      for (size_t j = 0; j < 3 && j <= b; ++j) staging += static_cast<double>(m.units[trace[k - j]]);
+      consider(gathered, staging, per_block * static_cast<double>(nf - b), 0, tied);
+    }
     bool keep = false;
     if (live <= live_cap) {
       double distance = 0;
@@ -253,7 +290,10 @@ double gathered_peak_elems(const ModelShape& m, const RunShape& r) {
     }
     if (!keep) drop(u);
   }
-  return persistent_elems + peak;
+  double last_two = 0;
+  for (size_t j = 0; j < 2 && j < nf; ++j) last_two += static_cast<double>(m.units[trace[trace.size() - 1 - j]]);
+  consider(persistent_elems, (n > 0 ? static_cast<double>(m.units[0]) : 0) + last_two, 0, 0, 2 * tied);
+  return best;
 }
 
 Prediction predict(const ModelShape& m, const RunShape& r) {
@@ -300,27 +340,64 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   } else if (r.offload_optimizer == Offload::kCpu) {
     add("offload step buffers", (4.0 + P) * mo_share, "host");
   }
-  // Stage 3: units gathered at once (gathered_peak_elems).
-  const double largest_unit = m.units.empty() ? psi : static_cast<double>(*std::max_element(m.units.begin(), m.units.end()));
-  if (r.stage == 3 && N > 1) {
-    add("gathered units", P * std::min(psi, gathered_peak_elems(m, r)), dev);
-    add("a unit's full gradient before its reduce-scatter", G * largest_unit, dev);
-  } else {
-    // Stages 1 and 2 reduce-scatter the gradients through buckets of reduce_bucket_size (DeepSpeed's
-    // 5e8 elements: the whole gradient of models up to that size).
-    if ((r.stage == 1 || r.stage == 2) && N > 1) add("gradient buckets in flight", G * std::min(psi, 5e8), dev);
-    // The backward makes the largest parameter's gradient(s) afresh before adding them in.
-    add("the largest parameter's fresh gradients", G * static_cast<double>(m.largest_param) * m.largest_param_grads, dev);
-  }
   // Activations kept for the backward (a transformer's: per layer and token 16·h elements in the
   // compute dtype — LayerNorm inputs and outputs, q/k/v, attention output, the MLP's two 4h
   // tensors), the logits and their fp32 softmax and gradient.
+  // In the head's backward the logits and their softmax are gone; their gradient (compute dtype)
+  // and the head's fresh weight gradient are there.
+  double activations = 0, logits = 0, logits_grad = 0, head_grad = 0;
   if (m.transformer) {
     const auto& t = *m.transformer;
     const double tokens = static_cast<double>(r.micro_batch * r.seq_len);
-    const double A = static_cast<double>(P);
-    add("activations", tokens * static_cast<double>(t.layers) * (8.0 * t.hidden + 2.0 * t.ffn) * A, dev);
-    add("logits, softmax and their gradient", tokens * static_cast<double>(t.vocab) * (A + 8.0), dev);
+    activations = tokens * static_cast<double>(t.layers) * (8.0 * t.hidden + 2.0 * t.ffn) * static_cast<double>(P);
+    logits = tokens * static_cast<double>(t.vocab) * (static_cast<double>(P) + 8.0);
+    logits_grad = tokens * static_cast<double>(t.vocab) * static_cast<double>(P);
+    head_grad = G * static_cast<double>(t.vocab) * static_cast<double>(t.hidden);
+  }
+  if (r.stage == 3 && N > 1 && m.units.size() >= 2) {
+    // The moment of the pass that holds the most (stage3_peak).
+    const Stage3Peak s = stage3_peak(m, r, static_cast<double>(P), static_cast<double>(G), activations, logits,
+                                     logits_grad, static_cast<double>(m.tied_head));
+    add("gathered units", P * std::min(psi, s.gathered_elems), dev);
+    add("gradients being reduced", G * s.staging_elems, dev);
+    add("the tied head's gradient", s.tied, dev);
+    add("activations", s.activations, dev);
+    add(s.logits == logits ? "logits, softmax and their gradient" : "the logits' gradient", s.logits, dev);
+  } else {
+    const double largest_unit = m.units.empty() ? psi : static_cast<double>(*std::max_element(m.units.begin(), m.units.end()));
+    if (r.stage == 3 && N > 1) {
+      add("gathered units", P * psi, dev);
+      add("a unit's full gradient before its reduce-scatter", G * largest_unit, dev);
+    } else {
+      // Stages 1 and 2 reduce-scatter the gradients through buckets of reduce_bucket_size (DeepSpeed's
+      // 5e8 elements: the whole gradient of models up to that size).
+      if ((r.stage == 1 || r.stage == 2) && N > 1) add("gradient buckets in flight", G * std::min(psi, 5e8), dev);
+    }
+    if (r.stage == 3 && N > 1) {
+      add("activations", activations, dev);
+      add("logits, softmax and their gradient", logits, dev);
+    } else {
+      // The backward's own tensors at the moment that holds the most: before the head's backward,
+      // the activations with the logits, their softmax and gradient; in it, the activations, the
+      // logits' gradient and the head's fresh weight gradient; at the end, the largest parameter's
+      // fresh gradient — tied to the head, three of it: the head's (waiting since the turnaround),
+      // the lookup's and their sum (gpt2-small, 2 ranks: 446 to 456 MiB per rank beside the model
+      // states whether 64 or 256 tokens, 3 x 147 MiB).
+      const double largest = G * static_cast<double>(m.largest_param);
+      const int copies = m.largest_param_grads > 1 ? m.largest_param_grads + 1 : 1;
+      const double before_head = activations + logits, in_head = activations + logits_grad + head_grad;
+      const double at_end = largest * copies;
+      if (at_end >= before_head && at_end >= in_head) {
+        add("the largest parameter's fresh gradients", at_end, dev);
+      } else if (in_head >= before_head) {
+        add("activations", activations, dev);
+        add("the logits' gradient", logits_grad, dev);
+        add("the head's fresh gradient", head_grad, dev);
+      } else {
+        add("activations", activations, dev);
+        add("logits, softmax and their gradient", logits, dev);
+      }
+    }
   }
   for (const auto& part : p.parts) {
     if (part.where == "disk") p.disk_bytes += part.bytes;

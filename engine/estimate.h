@@ -39,9 +39,13 @@ struct ModelShape {
   int64_t largest_layer = 0;
   std::vector<int64_t> units;
   // The largest single parameter, and how many gradients of it the backward makes before they are
-  // summed (2 for an embedding tied to the head: one through the head, one through the lookup).
+  // summed (2 for an embedding tied to the head: one through the head, one through the lookup;
+  // their sum is a third at the end of the backward).
   int64_t largest_param = 0;
   int largest_param_grads = 1;
+  // Elements of an embedding tied to the output head (0: none): the head's gradient of it waits
+  // through the whole backward for the lookup's.
+  int64_t tied_head = 0;
   struct Transformer {
     int64_t layers = 0, hidden = 0, heads = 0, vocab = 0, ffn = 0;
   };

@@ -23,6 +23,9 @@ namespace zeal::zero {
 namespace {
 
 constexpr size_t kMapBytes = size_t{1} << 20;
+// glibc's thresholds while zeal runs: blocks from 128 KiB are mapped, a heap's free top beyond
+// 128 KiB is returned (glibc's initial values, fixed so that frees no longer raise them).
+constexpr int kMallocThreshold = 128 * 1024;
 
 struct Mapping {
   void* p;
@@ -79,8 +82,11 @@ void keep_large_allocations_mapped() {
   static std::once_flag once;
   std::call_once(once, [] {
     const char* tunables = std::getenv("GLIBC_TUNABLES");
-    if (std::getenv("MALLOC_MMAP_THRESHOLD_") || (tunables && std::strstr(tunables, "mmap_threshold"))) return;
-    mallopt(M_MMAP_THRESHOLD, static_cast<int>(kMapBytes));  // fixed: no longer raised by frees
+    auto chosen = [&](const char* env, const char* tunable) {
+      return std::getenv(env) != nullptr || (tunables != nullptr && std::strstr(tunables, tunable) != nullptr);
+    };
+    if (!chosen("MALLOC_MMAP_THRESHOLD_", "mmap_threshold")) mallopt(M_MMAP_THRESHOLD, kMallocThreshold);
+    if (!chosen("MALLOC_TRIM_THRESHOLD_", "trim_threshold")) mallopt(M_TRIM_THRESHOLD, kMallocThreshold);
   });
 #endif
 }

@@ -22,14 +22,15 @@ void free_storage(const at::Tensor& t);
 // n zeros with options `o`, mapped on the CPU from a MiB up (fresh mappings are zero already).
 at::Tensor staging_zeros(int64_t n, const at::TensorOptions& o);
 
-// Makes glibc's malloc map every block of a MiB and more and unmap it when freed, as the helpers
-// above do, for LibTorch's own CPU tensors too (activations, autograd's gradients, optimizer
-// states): with glibc's default, freeing a mapped block raises its mmap threshold to that block's
-// size (up to 32 MiB), and every later block under it comes from the heap, which keeps what is
-// freed: the resident set then holds the largest step's temporaries on top of the model states
-// (half a GiB for gpt2-small in stage 3). Once per process; left alone when the user chose a
-// threshold (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES glibc.malloc.mmap_threshold). No-op
-// without glibc.
+// Makes glibc's malloc map every block of 128 KiB and more and unmap it when freed, for LibTorch's
+// own CPU tensors too (activations, autograd's gradients, optimizer states), and return a heap's
+// free top beyond 128 KiB: with glibc's defaults, freeing a mapped block raises its mmap threshold
+// to that block's size (up to 32 MiB) and the trim threshold to twice that, and every later block
+// under it comes from a heap, which keeps what is freed: the resident set then holds the largest
+// step's temporaries on top of the model states (half a GiB for gpt2-small in stage 3; with a
+// 1 MiB threshold gpt2-1.3b on NVMe still kept 80 MiB per rank of freed blocks). Once per process;
+// left alone when the user chose a threshold (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or
+// GLIBC_TUNABLES glibc.malloc.mmap_threshold / trim_threshold). No-op without glibc.
 void keep_large_allocations_mapped();
 
 }  // namespace zeal::zero

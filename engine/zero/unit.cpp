@@ -1,5 +1,10 @@
 #include "engine/zero/unit.h"
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
@@ -11,6 +16,34 @@
 #include "engine/zero/stage3.h"
 
 namespace zeal::zero {
+
+namespace {
+
+// ZEAL_MEMORY_TRACE=1: one line on stderr per unit event (gather, release, gradients, reductions)
+// with the resident set and the gathered bytes at that moment, to see where a peak comes from.
+bool memory_trace() {
+  static const bool on = [] {
+    const char* v = std::getenv("ZEAL_MEMORY_TRACE");
+    return v != nullptr && *v != 0 && std::string(v) != "0";
+  }();
+  return on;
+}
+
+void trace_line(int rank, const char* event, const std::string& unit, int64_t gathered) {
+  if (!memory_trace()) return;
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  const double mib = static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1 << 20);
+  std::fprintf(stderr, "zeal trace: rank %d %s %s: resident %.1f MiB, gathered %.1f MiB\n", rank, event, unit.c_str(), mib,
+               static_cast<double>(gathered) / (1 << 20));
+}
+
+}  // namespace
+
+#define ZEAL_TRACE(event) trace_line(owner_.comm().rank(), event, name_, owner_.fetch().gathered())
 
 int64_t Unit::Part::bytes() const { return full.defined() ? full.numel() * full.element_size() : 0; }
 
@@ -60,6 +93,7 @@ void Unit::gather(bool wait, const char* phase) {
     if (!persistent_) owner_.fetch().count_gather();
     owner_.fetch().add_gathered(gathered_bytes());
   }
+  if (state_ == State::kGathering) ZEAL_TRACE("gather");
   if (wait) wait_gather();
 }
 
@@ -142,6 +176,7 @@ void Unit::release() {
   }
   state_ = State::kReleased;
   owner_.fetch().sub_gathered(gathered_bytes());
+  ZEAL_TRACE("release");
 }
 
 // --- the lifecycle points ----------------------------------------------------------------------
@@ -199,6 +234,7 @@ void Unit::on_grad_ready(int i) {
     p.mutable_grad() = at::Tensor();
   }
   grads_ = ++arrived_ == static_cast<int>(train_.params.size()) ? Grads::kComplete : Grads::kArriving;
+  ZEAL_TRACE(grads_ == Grads::kComplete ? "gradients complete" : "gradient");
   if (grads_ == Grads::kComplete) owner_.launch_ready_reductions();
 }
 
@@ -221,6 +257,7 @@ Work Unit::reduce(bool wait) {
     at::Tensor mine = grad_staging_.narrow(0, l.shard_begin(comm.rank()), l.shard_size());
     w = comm.reduce_scatter(grad_staging_, mine, predivide ? ReduceOp::kSum : ReduceOp::kAvg);
   }
+  ZEAL_TRACE("reduce-scatter launched");
   if (wait) {
     w.wait();
     finish_reduction();
@@ -232,6 +269,7 @@ Work Unit::reduce(bool wait) {
 void Unit::finish_reduction() {
   c10::NoGradGuard no_grad;
   if (!grad_staging_.defined()) return;
+  ZEAL_TRACE("reduction finishing");
   const FlatLayout& l = *train_.layout;
   const at::Tensor mine = grad_staging_.narrow(0, l.shard_begin(owner_.comm().rank()), l.shard_size());
   if (owner_.gradients_swapped()) {  // offload_optimizer nvme: into the swap files
