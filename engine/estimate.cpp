@@ -176,6 +176,7 @@ ModelShape hf_config_shape(const std::string& path) {
     m.largest_param = m.largest_layer;
     m.largest_param_grads = tied && vocab * h >= h * ffn ? 2 : 1;
     m.tied_head = tied ? vocab * h : 0;
+    m.untied_head = tied ? 0 : vocab * h;  // lm_head, in the root beside embed_tokens
     m.units.push_back(root);
     for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
     m.transformer = ModelShape::Transformer{layers, h, heads, vocab, ffn};
@@ -212,20 +213,23 @@ std::string offload_name(Offload o) {
 // stage3_max_live_parameters. Beside the gathered units each moment holds
 //   forward:    the activations of the blocks run so far;
 //   turnaround: all activations with the logits, their softmax and gradient; then, in the head's
-//               backward, the logits' gradient and the tied head's gradient (it waits for the
-//               embedding's through the whole backward);
+//               backward, the logits' gradient and the head's gradient (tied to the embedding,
+//               it waits for the lookup's through the whole backward; untied, it is written into
+//               the root's reduction staging and stays there until the root's reduction);
 //   backward:   the activations not yet used, the tied head's gradient, and the reduction staging
 //               (comm dtype, a unit's size) of the unit in backward and of the two before it (at
 //               most two reductions in flight);
-//   end:        the root's staging as the embedding's gradient arrives, with both halves of the
-//               tied gradient and the last two reductions in flight.
+//   end:        the root's staging as the embedding's gradient arrives, with both halves of a
+//               tied gradient (untied: the embedding's fresh gradient) and the last two
+//               reductions in flight.
 // (gpt2-1.3b, bf16, 2 ranks, 2 x 64 tokens: 1.32 GiB gathered, 3 x 192 MiB staging, as measured.)
 struct Stage3Peak {
-  double bytes = 0, gathered_elems = 0, staging_elems = 0, activations = 0, logits = 0, tied = 0;
+  double bytes = 0, gathered_elems = 0, staging_elems = 0, activations = 0, logits = 0, head = 0;
+  bool in_head_backward = false;  // `logits` is then the logits' gradient alone
 };
 
 Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double G, double activations, double logits,
-                       double logits_grad, double tied_elems) {
+                       double logits_grad, double head_wait, double end_extra) {
   const size_t n = m.units.size();
   const double threshold = m.transformer ? 10.0 * static_cast<double>(m.transformer->hidden) : 1e5;  // "auto"
   std::vector<char> persistent(n, 0), held(n, 0);
@@ -239,11 +243,10 @@ Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double 
   const size_t nf = trace.size();
   for (size_t k = nf; k-- > 0;) trace.push_back(trace[k]);
   const double R = static_cast<double>(r.max_reuse_distance), live_cap = static_cast<double>(r.max_live_parameters);
-  const double tied = P * tied_elems;
   Stage3Peak best;
-  auto consider = [&](double gathered, double staging, double acts, double lg, double td) {
-    const double bytes = P * gathered + G * staging + acts + lg + td;
-    if (bytes > best.bytes) best = {bytes, gathered, staging, acts, lg, td};
+  auto consider = [&](double gathered, double staging, double acts, double lg, double hd, bool in_head = false) {
+    const double bytes = P * gathered + G * staging + acts + lg + hd;
+    if (bytes > best.bytes) best = {bytes, gathered, staging, acts, lg, hd, in_head};
   };
   double live = 0;
   auto hold = [&](size_t u) {
@@ -271,11 +274,11 @@ Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double 
       const size_t b = k - nf;
       if (b == 0) {
         consider(gathered, 0, activations, logits, 0);
-        consider(gathered, 0, activations, logits_grad, tied);
+        consider(gathered, 0, activations, logits_grad, head_wait, true);
       }
       double staging = 0;
       for (size_t j = 0; j < 3 && j <= b; ++j) staging += static_cast<double>(m.units[trace[k - j]]);
-      consider(gathered, staging, per_block * static_cast<double>(nf - b), 0, tied);
+      consider(gathered, staging, per_block * static_cast<double>(nf - b), 0, head_wait);
     }
     bool keep = false;
     if (live <= live_cap) {
@@ -292,7 +295,7 @@ Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double 
   }
   double last_two = 0;
   for (size_t j = 0; j < 2 && j < nf; ++j) last_two += static_cast<double>(m.units[trace[trace.size() - 1 - j]]);
-  consider(persistent_elems, (n > 0 ? static_cast<double>(m.units[0]) : 0) + last_two, 0, 0, 2 * tied);
+  consider(persistent_elems, (n > 0 ? static_cast<double>(m.units[0]) : 0) + last_two, 0, 0, end_extra);
   return best;
 }
 
@@ -352,17 +355,23 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
     activations = tokens * static_cast<double>(t.layers) * (8.0 * t.hidden + 2.0 * t.ffn) * static_cast<double>(P);
     logits = tokens * static_cast<double>(t.vocab) * (static_cast<double>(P) + 8.0);
     logits_grad = tokens * static_cast<double>(t.vocab) * static_cast<double>(P);
-    head_grad = G * static_cast<double>(t.vocab) * static_cast<double>(t.hidden);
+    head_grad = static_cast<double>(P) * static_cast<double>(t.vocab) * static_cast<double>(t.hidden);
   }
   if (r.stage == 3 && N > 1 && m.units.size() >= 2) {
     // The moment of the pass that holds the most (stage3_peak).
+    // Tied: the head's gradient (compute dtype) waits for the lookup's, and the end holds both and
+    // their sum's staging. Untied: the head's gradient sits in the root's staging (accumulation
+    // dtype) from the turnaround on, and the end adds the embedding's fresh gradient.
+    const double tied = static_cast<double>(m.tied_head), untied = static_cast<double>(m.untied_head);
+    const double head_wait = tied > 0 ? P * tied : G * untied;
+    const double end_extra = tied > 0 ? 2 * P * tied : P * untied;
     const Stage3Peak s = stage3_peak(m, r, static_cast<double>(P), static_cast<double>(G), activations, logits,
-                                     logits_grad, static_cast<double>(m.tied_head));
+                                     logits_grad, head_wait, end_extra);
     add("gathered units", P * std::min(psi, s.gathered_elems), dev);
     add("gradients being reduced", G * s.staging_elems, dev);
-    add("the tied head's gradient", s.tied, dev);
+    add(tied > 0 ? "the tied head's gradient" : "the head's gradient", s.head, dev);
     add("activations", s.activations, dev);
-    add(s.logits == logits ? "logits, softmax and their gradient" : "the logits' gradient", s.logits, dev);
+    add(s.in_head_backward ? "the logits' gradient" : "logits, softmax and their gradient", s.logits, dev);
   } else {
     const double largest_unit = m.units.empty() ? psi : static_cast<double>(*std::max_element(m.units.begin(), m.units.end()));
     if (r.stage == 3 && N > 1) {
@@ -383,7 +392,9 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
       // fresh gradient — tied to the head, three of it: the head's (waiting since the turnaround),
       // the lookup's and their sum (gpt2-small, 2 ranks: 446 to 456 MiB per rank beside the model
       // states whether 64 or 256 tokens, 3 x 147 MiB).
-      const double largest = G * static_cast<double>(m.largest_param);
+      // Fresh gradients are in the parameters' (compute) dtype; the flat gradients they are added
+      // into are the model states' fp32.
+      const double largest = P * static_cast<double>(m.largest_param);
       const int copies = m.largest_param_grads > 1 ? m.largest_param_grads + 1 : 1;
       const double before_head = activations + logits, in_head = activations + logits_grad + head_grad;
       const double at_end = largest * copies;

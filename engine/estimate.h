@@ -46,6 +46,8 @@ struct ModelShape {
   // Elements of an embedding tied to the output head (0: none): the head's gradient of it waits
   // through the whole backward for the lookup's.
   int64_t tied_head = 0;
+  // Elements of an output head not tied to the embedding (LLaMA-style lm_head; 0: none or tied).
+  int64_t untied_head = 0;
   struct Transformer {
     int64_t layers = 0, hidden = 0, heads = 0, vocab = 0, ffn = 0;
   };

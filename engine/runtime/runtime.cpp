@@ -339,7 +339,8 @@ template <class F>
 auto naming_the_store_host(const DistEnv& env, const std::string& what, F&& f) -> decltype(f()) {
   try {
     return f();
-  } catch (const c10::DistNetworkError& e) {  // not a timeout: the socket failed
+  } catch (const c10::DistNetworkError& e) {
+    if (std::string(e.what()).find("Timeout") != std::string::npos) throw;  // slow, not gone
     throw Error(fmt::format("{} lost the store at {}:{}: {} exited or closed it? ({})", what, env.master_addr,
                             env.master_port, detail::store_host(), first_line(without_backtrace(e.what()))));
   }

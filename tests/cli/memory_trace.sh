@@ -14,8 +14,10 @@ run() {
   "$zeal" launch --num_processes 2 --main_process_port "$1" "$train_gpt" --config_file "$work/zero3.yaml" --model tiny \
     --steps 2 --seq_len 32 --micro_batch 4 --log_every 2
 }
-ZEAL_MEMORY_TRACE=1 run 29541 > "$work/on.txt" 2>&1
-run 29542 > "$work/off.txt" 2>&1
+# Ports of this process's own (other tests run beside it); a failed run shows its output.
+port=$((33000 + ($$ % 1000) * 2))
+ZEAL_MEMORY_TRACE=1 run "$port" > "$work/on.txt" 2>&1 || { cat "$work/on.txt" >&2; exit 1; }
+run $((port + 1)) > "$work/off.txt" 2>&1 || { cat "$work/off.txt" >&2; exit 1; }
 if grep -q "zeal trace:" "$work/off.txt"; then echo "FAIL: trace lines without ZEAL_MEMORY_TRACE" >&2; exit 1; fi
 python3 - "$work/on.txt" <<'PY'
 import re, sys
