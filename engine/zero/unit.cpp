@@ -1,7 +1,5 @@
 #include "engine/zero/unit.h"
 
-#include <unistd.h>
-
 #include <cstdio>
 #include <cstdlib>
 
@@ -11,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "engine/error.h"
+#include "engine/memory_tracker.h"
 #include "engine/zero/flat_params.h"
 #include "engine/zero/host_memory.h"
 #include "engine/zero/stage3.h"
@@ -30,20 +29,16 @@ bool memory_trace() {
 }
 
 void trace_line(int rank, const char* event, const std::string& unit, int64_t gathered) {
-  if (!memory_trace()) return;
-  long pages = 0, resident = 0;
-  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
-    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
-    std::fclose(f);
-  }
-  const double mib = static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1 << 20);
-  std::fprintf(stderr, "zeal trace: rank %d %s %s: resident %.1f MiB, gathered %.1f MiB\n", rank, event, unit.c_str(), mib,
-               static_cast<double>(gathered) / (1 << 20));
+  std::fprintf(stderr, "zeal trace: rank %d %s %s: resident %.1f MiB, gathered %.1f MiB\n", rank, event, unit.c_str(),
+               static_cast<double>(detail::resident_bytes()) / (1 << 20), static_cast<double>(gathered) / (1 << 20));
 }
 
 }  // namespace
 
-#define ZEAL_TRACE(event) trace_line(owner_.comm().rank(), event, name_, owner_.fetch().gathered())
+#define ZEAL_TRACE(event)                                                                   \
+  do {                                                                                      \
+    if (memory_trace()) trace_line(owner_.comm().rank(), event, name_, owner_.fetch().gathered()); \
+  } while (0)
 
 int64_t Unit::Part::bytes() const { return full.defined() ? full.numel() * full.element_size() : 0; }
 
