@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <sstream>
 
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 
 namespace zeal::detail {
@@ -83,7 +84,16 @@ void run_bounded(const std::function<void()>& op, std::chrono::milliseconds dead
     throw StoreSilent(fmt::format("{} no answer from the store within {:g} s: {} is not responding (stopped, hung or "
                                   "gone)", what, deadline.count() / 1000.0, store_host()));
   }
-  if (state->error) std::rethrow_exception(state->error);
+  if (!state->error) return;
+  try {
+    std::rethrow_exception(state->error);
+  } catch (const c10::DistNetworkError& e) {
+    // The store's socket failed (reset, closed): its host is gone. A socket timeout is only slow.
+    const std::string why = e.what();
+    if (why.find("Timeout") != std::string::npos) throw;
+    throw StoreSilent(fmt::format("{} lost the store: {} exited or closed it? ({})", what, store_host(),
+                                  why.substr(0, why.find('\n'))));
+  }
 }
 
 std::string OpInfo::signature() const {

@@ -96,6 +96,7 @@ class Monitor {
 // every other rank would hang inside the call, whatever comm_timeout says. The call runs on a
 // worker thread instead; the caller waits at most `deadline` and otherwise gets StoreSilent naming
 // the store's host. An abandoned worker keeps its own reference to the store and ends with it.
+// A call whose socket fails (the host died: reset, closed) throws StoreSilent naming the host too.
 struct StoreSilent : std::runtime_error {
   using std::runtime_error::runtime_error;
 };

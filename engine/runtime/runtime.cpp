@@ -221,7 +221,12 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
   struct sigaction pipe_action {};
   if (sigaction(SIGPIPE, nullptr, &pipe_action) == 0 && pipe_action.sa_handler == SIG_DFL) signal(SIGPIPE, SIG_IGN);
 
-  if (options.store_hosted_elsewhere) detail::set_store_host("the parent process (zeal::spawn), which hosts the store,");
+  if (options.store_hosted_elsewhere) {
+    detail::set_store_host("the parent process (zeal::spawn), which hosts the store,");
+  } else if (env.world_size > 1) {
+    detail::set_store_host(
+        fmt::format("rank 0, which hosts the rendezvous store at {}:{},", env.master_addr, env.master_port));
+  }
   if (env.world_size == 1) {
     m.store = c10::make_intrusive<c10d::HashStore>();
   } else {
@@ -332,49 +337,25 @@ Communicator& Runtime::cuda_comm() {
 
 // The program's store calls, each under comm_timeout (plus a margin for the wait's own deadline):
 // a stopped store host is an error naming it, not a hang, and a store whose host died (its socket
-// reset or closed) is an error naming the host too, not c10d's bare "Connection reset by peer".
-namespace {
-
-template <class F>
-auto naming_the_store_host(const DistEnv& env, const std::string& what, F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const c10::DistNetworkError& e) {
-    if (std::string(e.what()).find("Timeout") != std::string::npos) throw;  // slow, not gone
-    throw Error(fmt::format("{} lost the store at {}:{}: {} exited or closed it? ({})", what, env.master_addr,
-                            env.master_port, detail::store_host(), first_line(without_backtrace(e.what()))));
-  }
-}
-
-}  // namespace
-
+// reset or closed) is an error naming the host too (run_bounded), not c10d's bare "Connection reset".
 void Runtime::store_set(const std::string& key, const std::string& value) {
-  const std::string what = fmt::format("rank {}: store_set({}):", rank(), key);
-  naming_the_store_host(impl_->env, what, [&] {
-    detail::run_bounded([store = impl_->store, key = "user/" + key, v = bytes(value)] { store->set(key, v); },
-                        impl_->timeout, what);
-  });
+  detail::run_bounded([store = impl_->store, key = "user/" + key, v = bytes(value)] { store->set(key, v); },
+                      impl_->timeout, fmt::format("rank {}: store_set({}):", rank(), key));
 }
 
 std::string Runtime::store_get(const std::string& key) {
   const auto t = impl_->timeout;
-  const std::string what = fmt::format("rank {}: store_get({}):", rank(), key);
-  return naming_the_store_host(impl_->env, what, [&] {
-    return detail::bounded<std::string>(
-        [store = impl_->store, key = "user/" + key, t] {
-          store->wait({key}, t);
-          return text(store->get(key));
-        },
-        t + std::chrono::seconds(10), what);
-  });
+  return detail::bounded<std::string>(
+      [store = impl_->store, key = "user/" + key, t] {
+        store->wait({key}, t);
+        return text(store->get(key));
+      },
+      t + std::chrono::seconds(10), fmt::format("rank {}: store_get({}):", rank(), key));
 }
 
 int64_t Runtime::store_add(const std::string& key, int64_t delta) {
-  const std::string what = fmt::format("rank {}: store_add({}):", rank(), key);
-  return naming_the_store_host(impl_->env, what, [&] {
-    return detail::bounded<int64_t>(
-        [store = impl_->store, key = "user/" + key, delta] { return store->add(key, delta); }, impl_->timeout, what);
-  });
+  return detail::bounded<int64_t>([store = impl_->store, key = "user/" + key, delta] { return store->add(key, delta); },
+                                  impl_->timeout, fmt::format("rank {}: store_add({}):", rank(), key));
 }
 
 #ifndef ZEAL_HAVE_NCCL
