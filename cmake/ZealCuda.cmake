@@ -1,5 +1,14 @@
 # Enables CUDA when nvcc exists (and ZEAL_CUDA is ON): sets ZEAL_HAVE_CUDA, ZEAL_HAVE_NCCL and the
-# imported targets CUDA::cudart and zeal_nccl. Machines without a GPU still compile every .cu file.
+# imported target CUDA::cudart. Machines without a GPU still compile every .cu file and every CUDA
+# branch of the engine, and link them (libzeal is linked with --no-undefined).
+#
+# NCCL: LibTorch's own copy first (the nvidia-nccl wheel beside a pip-installed torch, the one its
+# CUDA half loads, so the process holds one NCCL), then the toolkit's, then the system's. nvcc
+# without NCCL builds the kernels but no NCCL communicator, and says so loudly.
+#
+# -DZEAL_REQUIRE_CUDA=ON (scripts/gpu-check): configuring fails unless nvcc, LibTorch's CUDA half,
+# NCCL and sm_90 kernels (for H100/H200) are all in.
+option(ZEAL_REQUIRE_CUDA "Fail unless nvcc, LibTorch's CUDA half, NCCL and sm_90 are all available" OFF)
 set(ZEAL_HAVE_CUDA OFF)
 set(ZEAL_HAVE_NCCL OFF)
 if(ZEAL_CUDA)
@@ -17,16 +26,56 @@ if(ZEAL_CUDA)
     set(CMAKE_CUDA_STANDARD 17)
     find_package(CUDAToolkit REQUIRED)
     set(ZEAL_HAVE_CUDA ON)
-    find_path(ZEAL_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
-    find_library(ZEAL_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+
+    set(_nccl_hints "")
+    get_filename_component(_site "${ZEAL_TORCH_DIR}" DIRECTORY)
+    if(EXISTS "${_site}/nvidia")
+      file(GLOB_RECURSE _torch_nccl LIST_DIRECTORIES false "${_site}/nvidia/libnccl.so*")
+      foreach(_lib IN LISTS _torch_nccl)
+        get_filename_component(_dir "${_lib}" DIRECTORY)
+        get_filename_component(_up "${_dir}" DIRECTORY)
+        list(APPEND _nccl_hints "${_up}")
+      endforeach()
+    endif()
+    list(APPEND _nccl_hints ${CUDAToolkit_LIBRARY_ROOT} ${CUDAToolkit_TARGET_DIR})
+    find_path(ZEAL_NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES include)
+    # pip's wheels ship libnccl.so.2 without the unversioned link.
+    find_library(ZEAL_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_nccl_hints} ${CUDAToolkit_LIBRARY_DIR}
+                 PATH_SUFFIXES lib lib64)
     if(ZEAL_NCCL_INCLUDE_DIR AND ZEAL_NCCL_LIBRARY)
       set(ZEAL_HAVE_NCCL ON)
+    else()
+      message(WARNING "zeal: nvcc found but NCCL not (header: '${ZEAL_NCCL_INCLUDE_DIR}', library: "
+                      "'${ZEAL_NCCL_LIBRARY}'): the CUDA kernels are built, the NCCL communicator is NOT, and "
+                      "ranks on GPUs will need ZEAL_COMM_BACKEND=gloo. Install NCCL (the toolkit's, Debian's "
+                      "libnccl-dev, or pip's nvidia-nccl beside torch) or pass -DZEAL_NCCL_INCLUDE_DIR and "
+                      "-DZEAL_NCCL_LIBRARY")
     endif()
     message(STATUS "CUDA ${CUDAToolkit_VERSION} (${CMAKE_CUDA_COMPILER}), architectures "
-                   "${CMAKE_CUDA_ARCHITECTURES}; NCCL: ${ZEAL_HAVE_NCCL}")
+                   "${CMAKE_CUDA_ARCHITECTURES}; NCCL: ${ZEAL_HAVE_NCCL} ${ZEAL_NCCL_LIBRARY}")
   else()
     message(STATUS "nvcc not found: CUDA kernels are not compiled")
   endif()
 else()
   message(STATUS "CUDA disabled (-DZEAL_CUDA=OFF)")
+endif()
+
+if(ZEAL_REQUIRE_CUDA)
+  set(_missing "")
+  if(NOT ZEAL_HAVE_CUDA)
+    list(APPEND _missing "nvcc (set CMAKE_CUDA_COMPILER or put the toolkit's bin on PATH)")
+  endif()
+  if(NOT ZEAL_TORCH_HAS_CUDA)
+    list(APPEND _missing "LibTorch's CUDA half (libtorch_cuda.so and libc10_cuda.so in ${ZEAL_TORCH_DIR}/lib)")
+  endif()
+  if(NOT ZEAL_HAVE_NCCL)
+    list(APPEND _missing "NCCL (nccl.h and libnccl)")
+  endif()
+  if(ZEAL_HAVE_CUDA AND NOT CMAKE_CUDA_ARCHITECTURES MATCHES "(^|;)(90|90a|90-real|native|all|all-major)($|;)")
+    list(APPEND _missing "sm_90 in CMAKE_CUDA_ARCHITECTURES (it is '${CMAKE_CUDA_ARCHITECTURES}')")
+  endif()
+  if(_missing)
+    list(JOIN _missing "; " _text)
+    message(FATAL_ERROR "ZEAL_REQUIRE_CUDA: missing ${_text}")
+  endif()
 endif()
