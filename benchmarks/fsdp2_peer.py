@@ -1,10 +1,12 @@
 """The PyTorch side of zero_step_bench: the GPT of examples/models/gpt.h, trained on CPU ranks over
-gloo with FSDP2 (torch.distributed.fsdp.fully_shard on every block, then the root) or with DDP
-(--mode ddp), fp32, AdamW and gradient clipping at 1.0, on the tokens zero_step_bench wrote.
+gloo (or, with --device cuda, one GPU per rank over NCCL) with FSDP2 (torch.distributed.fsdp.fully_shard
+on every block, then the root) or with DDP (--mode ddp), fp32, AdamW and gradient clipping at 1.0, on
+the tokens zero_step_bench wrote.
 
 Each rank measures what zero_step_bench measures for zeal: the peak resident memory (VmHWM, reset
-through /proc/self/clear_refs after start-up) above the resident memory before the model is built,
-and the wall time of every step (forward, backward, clip, optimizer step). Prints one JSON object
+through /proc/self/clear_refs after start-up) above the resident memory before the model is built, or
+on a GPU the caching allocator's peak of allocated bytes above what was allocated then, and the wall
+time of every step (forward, backward, clip, optimizer step; on a GPU after the device finished it). Prints one JSON object
 on stdout: {"ok": true, "step_s": [...max over ranks per step], "peak_bytes": max over ranks}, or
 {"ok": false, "why": "..."} when the peer cannot run here.
 """
@@ -47,7 +49,7 @@ def build(args, torch, nn, F):
             self.ln_f = nn.LayerNorm(C)
 
         def forward(self, idx):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
             for b in self.h:
                 x = b(x)
             return self.ln_f(x) @ self.wte.weight.t()
@@ -60,7 +62,12 @@ def rank_main(rank, args, out_dir):
     import torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist
     torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     result = {"ok": False}
     try:
         tokens = torch.from_file(args.tokens, size=(args.steps + 1) * args.world * args.micro_batch * (args.seq_len + 1),
@@ -70,19 +77,23 @@ def rank_main(rank, args, out_dir):
             from torch.distributed.fsdp import fully_shard
         peer_ranks.reset_peak()
         base = rss("VmRSS")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
         torch.manual_seed(1234)
-        model = build(args, torch, nn, F)
+        model = build(args, torch, nn, F).to(device)
         if args.mode == "fsdp2":
-            mesh = init_device_mesh("cpu", (args.world,))
+            mesh = init_device_mesh(device.type, (args.world,))
             for b in model.h:
                 fully_shard(b, mesh=mesh)
             fully_shard(model, mesh=mesh)
         else:
-            model = nn.parallel.DistributedDataParallel(model)
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
         times = []
         for step in range(args.steps + 1):
-            batch = tokens[step, rank]
+            batch = tokens[step, rank].to(device)
+            sync()
             t0 = time.perf_counter()
             logits = model(batch[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
@@ -90,8 +101,10 @@ def rank_main(rank, args, out_dir):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            sync()
             times.append(time.perf_counter() - t0)
-        result = {"ok": True, "step_s": times[1:], "peak_bytes": rss("VmHWM") - base, "loss": float(loss.detach())}
+        peak = torch.cuda.max_memory_allocated(device) - base if cuda else rss("VmHWM") - base
+        result = {"ok": True, "step_s": times[1:], "peak_bytes": peak, "loss": float(loss.detach())}
     except Exception as e:  # the peer cannot run here: say why
         result = peer_ranks.failure(e)
     peer_ranks.finish(out_dir, rank, result)
@@ -101,6 +114,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["fsdp2", "ddp"], default="fsdp2")
     p.add_argument("--tokens", required=True)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     for name, default in [("world", 2), ("threads", 1), ("steps", 3), ("micro_batch", 2), ("seq_len", 128),
                           ("vocab", 50257), ("context", 1024), ("layers", 12), ("dim", 768), ("heads", 12),
                           ("port", 29611)]:

@@ -4,7 +4,12 @@
 // benchmarks/fsdp2_peer.py, on the same tokens.
 //
 //   build/bin/zero_step_bench [--model PRESET] [--world N] [--threads T] [--steps S] [--rounds R]
-//       [--seq_len L] [--micro_batch B] [--stages 0,1,2,3] [--json PATH] [--python EXE] [--no-peers]
+//       [--seq_len L] [--micro_batch B] [--stages 0,1,2,3] [--device cpu|cuda] [--json PATH]
+//       [--python EXE] [--no-peers]
+//
+// --device cuda: one GPU per rank (NCCL; FSDP2 and DDP over NCCL too); each step is timed after the
+// device has finished it, and the peak is the caching allocator's peak of allocated bytes above
+// what was allocated before the model was built.
 //
 // Per configuration run: the median step time (forward, backward, clip, step; the slowest rank per
 // step; one untimed warm-up step first) and the per-rank peak memory: the peak resident set
@@ -40,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include <ATen/DeviceAccelerator.h>
 #include <ATen/Parallel.h>
 
 #include "benchmarks/peer_json.h"
@@ -62,6 +68,7 @@ struct Options {
   int64_t seq_len = 128, micro_batch = 2;
   std::vector<int> stages{0, 1, 2, 3};
   std::string json_path, python;
+  std::string device = "cpu";
   bool peers = true;
 };
 
@@ -100,6 +107,24 @@ struct Row {
   }
 };
 
+// The caching allocator's peak of allocated bytes on a GPU, above what was allocated when made.
+class DevicePeak {
+ public:
+  explicit DevicePeak(const at::Device& d) : index_(d.index() < 0 ? 0 : d.index()), on_(d.is_cuda()) {
+    if (!on_) return;
+    at::accelerator::resetPeakStats(index_);
+    start_ = static_cast<double>(at::accelerator::getDeviceStats(index_).allocated_bytes[0].current);
+  }
+  double above_start() const {
+    return on_ ? static_cast<double>(at::accelerator::getDeviceStats(index_).allocated_bytes[0].peak) - start_ : 0.0;
+  }
+
+ private:
+  c10::DeviceIndex index_;
+  bool on_;
+  double start_ = 0;
+};
+
 std::string zeal_row_name(int stage, bool fsdp_style) {
   return fsdp_style ? "zeal stage 3, FSDP-style" : fmt::format("zeal stage {}", stage);
 }
@@ -128,11 +153,14 @@ Run run_zeal(const Options& o, int stage, bool fsdp_style, const at::Tensor& tok
       [&](zeal::Runtime& rt) {
         at::set_num_threads(o.threads);
         zeal::Config c = zeal::Config::defaults(false);
+        c.launch.use_cpu = o.device != "cuda";
         c.zero.stage = stage;
         c.zero.zero3_init_flag = true;
         if (fsdp_style) apply_fsdp_style(c, cfg);
         c.gradient_clipping = {1.0, false};
         zeal::Engine engine(c, rt);
+        if (o.device == "cuda" && !engine.device().is_cuda()) throw zeal::Error("--device cuda: the engine found no GPU");
+        DevicePeak device_peak(engine.device());
         zeal::detail::reset_resident_peak();
         const int64_t base = zeal::detail::resident_bytes();
         at::manual_seed(1234);
@@ -141,16 +169,19 @@ Run run_zeal(const Options& o, int stage, bool fsdp_style, const at::Tensor& tok
         auto [m, po] = engine.prepare(model, opt);
         std::vector<double> times;
         for (int step = 0; step <= o.steps; ++step) {
-          at::Tensor batch = tokens[step][engine.process_index()];
+          at::Tensor batch = tokens[step][engine.process_index()].to(engine.device());
+          engine.synchronize();
           const auto t0 = std::chrono::steady_clock::now();
           engine.backward(m->loss(batch));
           po.step();
           po.zero_grad();
+          engine.synchronize();  // the step's device work is done before the clock is read
           times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
         times.erase(times.begin());  // the warm-up step
-        zeal_bench::write_rank_result(dir, engine.process_index(), times, double(zeal::detail::resident_peak_bytes() - base),
-                                      {double(engine.memory().model_states())});
+        const double peak = engine.device().is_cuda() ? device_peak.above_start()
+                                                      : double(zeal::detail::resident_peak_bytes() - base);
+        zeal_bench::write_rank_result(dir, engine.process_index(), times, peak, {double(engine.memory().model_states())});
       },
       o.world, so);
   const std::string failure = zeal::describe_failures(results);
@@ -172,9 +203,9 @@ Run run_peer(const Options& o, const std::string& mode, const std::string& token
   const auto cfg = zeal::models::gpt_preset(o.model);
   const std::string cmd = fmt::format(
       "{}OMP_NUM_THREADS={} '{}' '{}/fsdp2_peer.py' --mode {} --tokens '{}' --world {} --threads {} --steps {} "
-      "--micro_batch {} --seq_len {} --vocab {} --context {} --layers {} --dim {} --heads {} 2>/dev/null",
+      "--micro_batch {} --seq_len {} --vocab {} --context {} --layers {} --dim {} --heads {} --device {} 2>/dev/null",
       mapped ? "MALLOC_MMAP_THRESHOLD_=1048576 " : "", o.threads, o.python, ZEAL_BENCH_DIR, mode, tokens_path, o.world, o.threads, o.steps, o.micro_batch, o.seq_len,
-      cfg.vocab, cfg.context, cfg.layers, cfg.dim, cfg.heads);
+      cfg.vocab, cfg.context, cfg.layers, cfg.dim, cfg.heads, o.device);
   const json r = zeal_bench::run_peer_json(cmd, o.python);
   if (r.contains("error")) {
     row.why = r["error"].get<std::string>();
@@ -210,6 +241,10 @@ int main(int argc, char** argv) {
       else if (a == "--json") o.json_path = next();
       else if (a == "--python") o.python = next();
       else if (a == "--no-peers") o.peers = false;
+      else if (a == "--device") {
+        o.device = next();
+        if (o.device != "cpu" && o.device != "cuda") throw std::invalid_argument("--device takes cpu or cuda");
+      }
       else if (a == "--stages") {
         o.stages.clear();
         std::stringstream ss(next());
@@ -225,8 +260,8 @@ int main(int argc, char** argv) {
     } catch (const std::exception& e) {
       std::fprintf(stderr,
                    "zero_step_bench: %s\nusage: zero_step_bench [--model PRESET] [--world N] [--threads T] [--steps S] "
-                   "[--rounds R] [--seq_len L] [--micro_batch B] [--stages 0,1,2,3] [--json PATH] [--python EXE] "
-                   "[--no-peers]\n",
+                   "[--rounds R] [--seq_len L] [--micro_batch B] [--stages 0,1,2,3] [--device cpu|cuda] [--json PATH] "
+                   "[--python EXE] [--no-peers]\n",
                    e.what());
       return 2;
     }
@@ -241,9 +276,10 @@ int main(int argc, char** argv) {
   std::ofstream(tokens_path, std::ios::binary)
       .write(static_cast<const char*>(tokens.data_ptr()), static_cast<std::streamsize>(tokens.nbytes()));
 
-  std::printf("zero_step_bench: %s (%.1f M parameters), %d ranks x %d threads (%u cores), %lld x %lld tokens per rank, "
-              "fp32, AdamW, clip 1.0, %d timed steps, %d rounds in rotated order\n",
+  std::printf("zero_step_bench: %s (%.1f M parameters), %d ranks x %d threads (%u cores)%s, %lld x %lld tokens per "
+              "rank, fp32, AdamW, clip 1.0, %d timed steps, %d rounds in rotated order\n",
               cfg.name.c_str(), cfg.num_parameters() / 1e6, o.world, o.threads, std::thread::hardware_concurrency(),
+              o.device == "cuda" ? ", one GPU per rank, peaks from the caching allocator" : "",
               (long long)o.micro_batch, (long long)o.seq_len, o.steps, o.rounds);
   std::fflush(stdout);
   zeal_bench::Environment env;
@@ -265,7 +301,9 @@ int main(int argc, char** argv) {
     configs.push_back({"PyTorch FSDP2", [&] { return run_peer(o, "fsdp2", tokens_path); }});
     // FSDP2 again with glibc's mmap threshold held at a MiB, as zeal's engine holds it: how much of
     // the difference in peak memory is that setting alone.
-    configs.push_back({peer_row_name("fsdp2", true), [&] { return run_peer(o, "fsdp2", tokens_path, true); }});
+    if (o.device == "cpu") {
+      configs.push_back({peer_row_name("fsdp2", true), [&] { return run_peer(o, "fsdp2", tokens_path, true); }});
+    }
     configs.push_back({"PyTorch DDP", [&] { return run_peer(o, "ddp", tokens_path); }});
   }
   std::vector<Row> rows(configs.size());
@@ -312,7 +350,7 @@ int main(int argc, char** argv) {
   json result = {{"model", cfg.name}, {"parameters", cfg.num_parameters()}, {"world", o.world},
                  {"threads_per_rank", o.threads}, {"cores", std::thread::hardware_concurrency()},
                  {"micro_batch", o.micro_batch}, {"seq_len", o.seq_len}, {"steps", o.steps}, {"rounds", o.rounds},
-                 {"precision", "fp32"}, {"rows", out_rows}};
+                 {"precision", "fp32"}, {"device", o.device}, {"rows", out_rows}};
   auto find = [&](const std::string& name) -> const Row* {
     for (const auto& r : rows)
       if (r.ok && r.name == name) return &r;

@@ -30,7 +30,7 @@ int64_t measured_runtime_bytes(bool on_gpu) {
     torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
     auto [m, opt] = engine.prepare(model, optimizer);
     for (int step = 0; step < 2; ++step) {
-      at::Tensor tokens = at::randint(0, shape.vocab, {2, 33}, at::kLong);
+      at::Tensor tokens = at::randint(0, shape.vocab, {2, 33}, at::kLong).to(engine.device());
       engine.backward(m->loss(tokens));
       opt.step();
       opt.zero_grad();

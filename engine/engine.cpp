@@ -178,14 +178,15 @@ void Engine::init() {
                 "to none");
   }
   if (use_cuda) {
-    // The same choice Runtime::cuda_comm() makes, so the engine's tensors and NCCL share the GPU.
+    // gpu_ids and the local rank pick the GPU; the NCCL communicator is made on the same one.
 #ifdef ZEAL_HAVE_NCCL
     constexpr bool have_nccl = true;
 #else
     constexpr bool have_nccl = false;
 #endif
     const DeviceChoice choice = choose_cuda_device(runtime_->local_rank(), runtime_->local_world_size(),
-                                                   at::detail::getCUDAHooks().deviceCount(), have_nccl);
+                                                   at::detail::getCUDAHooks().deviceCount(), have_nccl,
+                                                   config_.launch.gpu_ids);
     device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(choice.device));
     state_->cuda_backend = choice.backend;
     // The current device of this thread: LibTorch's allocations without a device and zeal's kernel
@@ -225,7 +226,8 @@ void Engine::init() {
 
 Communicator& Engine::comm() {
   // Gloo takes CUDA tensors too (staged through pinned host memory), for ranks that share a GPU.
-  return device_.is_cuda() && state_->cuda_backend == CudaBackend::kNccl ? runtime_->cuda_comm() : runtime_->comm();
+  return device_.is_cuda() && state_->cuda_backend == CudaBackend::kNccl ? runtime_->cuda_comm(device_.index())
+                                                                          : runtime_->comm();
 }
 
 Engine::InitScope::InitScope(Engine* e) : e_(e) {
@@ -794,6 +796,10 @@ int Engine::num_processes() const { return runtime_->world_size(); }
 int Engine::process_index() const { return runtime_->rank(); }
 int Engine::local_process_index() const { return runtime_->local_rank(); }
 void Engine::wait_for_everyone() { comm().barrier().wait(); }
+
+void Engine::synchronize() const {
+  if (device_.is_cuda()) c10::impl::VirtualGuardImpl(device_.type()).synchronizeDevice(device_.index());
+}
 
 Engine::MainProcessFirst::MainProcessFirst(Engine* e) : e_(e) {
   if (!e_->is_main_process()) e_->wait_for_everyone();

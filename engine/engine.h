@@ -355,6 +355,9 @@ class Engine {
   Gathered gathered(std::vector<at::Tensor> params = {}, int modifier_rank = -1);
 
   at::Device device() const { return device_; }
+  // Waits until this rank's device has finished the work queued so far (torch.cuda.synchronize()):
+  // read a clock after it, not before, to time GPU work. Nothing to wait for on the CPU.
+  void synchronize() const;
   // Stage 3: restart the gathered-bytes peak of memory(); how many unit gathers there were in
   // all, how many of them prefetch issued, and how often the recorded order did not match
   // (fetched on demand, traced again).

@@ -10,6 +10,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -18,12 +19,15 @@
 #include <exception>
 #include <mutex>
 #include <string_view>
+#include <vector>
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "engine/comm/backends.h"
 #include "engine/comm/monitor.h"
+#include "engine/runtime/device_choice.h"
 
 namespace zeal::detail {
 namespace {
@@ -74,6 +78,20 @@ struct NcclOp {
   }
 };
 
+// The store keys of one communicator: the k-th NCCL communicator a rank creates on a store is
+// "zeal/nccl/<k>/" on every rank (ranks create them in the same order), so a second communicator
+// never reads the first one's unique id.
+std::string communicator_prefix(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                std::chrono::milliseconds timeout) {
+  auto s = store;
+  const int64_t k = bounded<int64_t>([s, rank] { return s->add(fmt::format("zeal/nccl/created/{}", rank), 1); },
+                                     timeout, "creating the NCCL communicator:");
+  return fmt::format("zeal/nccl/{}/", k);
+}
+
+std::vector<uint8_t> to_bytes(const std::string& v) { return {v.begin(), v.end()}; }
+std::string from_bytes(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
+
 class NcclCommunicator;
 
 class NcclWork final : public Work::Impl {
@@ -92,28 +110,14 @@ class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world, int device,
                    std::chrono::milliseconds timeout, bool debug)
-      : rank_(rank), world_(world), device_(device), monitor_(store, "zeal/nccl/", rank, world, timeout, debug) {
+      : rank_(rank),
+        world_(world),
+        device_(device),
+        prefix_(communicator_prefix(store, rank, timeout)),
+        monitor_(store, prefix_, rank, world, timeout, debug) {
     cuda_check(cudaSetDevice(device), "cudaSetDevice");
-    ncclUniqueId id;
-    const std::string key = "zeal/nccl/unique_id";
-    if (rank == 0) {
-      nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
-      const std::vector<uint8_t> value(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof id);
-      auto s = store;
-      run_bounded([s, key, value] { s->set(key, value); }, timeout, "publishing the NCCL unique id:");
-    } else {
-      // Every store call under the deadline of the collectives (a stopped store host is named).
-      auto s = store;
-      const auto bytes = bounded<std::vector<uint8_t>>(
-          [s, key, timeout] {
-            s->wait({key}, timeout);
-            return s->get(key);
-          },
-          timeout + std::chrono::seconds(5), "waiting for rank 0's NCCL unique id:");
-      if (bytes.size() != sizeof id) throw Error("the NCCL unique id in the store has the wrong size");
-      std::memcpy(&id, bytes.data(), sizeof id);
-    }
-    nccl_check(ncclCommInitRank(&comm_, world, id, rank), "ncclCommInitRank");
+    check_one_gpu_per_rank(store, timeout);
+    init_communicator(store, timeout);
     {  // a stream of LibTorch's pool, so its caching allocator can record memory on it
       c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
       side_ = impl.getStreamFromGlobalPool(c10::Device(c10::DeviceType::CUDA, device), /*isHighPriority=*/true);
@@ -134,8 +138,21 @@ class NcclCommunicator final : public Communicator {
     cv_.notify_all();
     watchdog_.join();
     cudaSetDevice(device_);
-    // ncclCommAbort freed the communicator; destroying it again is undefined.
-    if (!aborted_.load()) ncclCommDestroy(comm_);
+    // ncclCommAbort freed the communicator; destroying it again is undefined. A non-blocking
+    // communicator is finalized (waiting for NCCL's background work, under the deadline) first.
+    if (!aborted_.load()) {
+      ncclResult_t r = ncclCommFinalize(comm_);
+      const auto deadline = std::chrono::steady_clock::now() + monitor_.timeout();
+      while (r == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        if (ncclCommGetAsyncError(comm_, &r) != ncclSuccess) break;
+      }
+      if (r == ncclSuccess) {
+        ncclCommDestroy(comm_);
+      } else {
+        ncclCommAbort(comm_);
+      }
+    }
     in_flight_.clear();
     cudaEventDestroy(ready_);
   }
@@ -163,7 +180,7 @@ class NcclCommunicator final : public Communicator {
     at::Tensor target = s * world_ == output.numel() ? output : at::empty({s * world_}, output.options());
     uses(*op, shard);
     uses(*op, target);
-    nccl_check(ncclAllGather(shard.data_ptr(), target.data_ptr(), s, nccl_type(output), comm_, stream_), "ncclAllGather");
+    settle(ncclAllGather(shard.data_ptr(), target.data_ptr(), s, nccl_type(output), comm_, stream_), "ncclAllGather");
     if (!target.is_same(output)) {
       uses(*op, output);
       cuda_check(cudaMemcpyAsync(output.data_ptr(), target.data_ptr(), output.nbytes(), cudaMemcpyDeviceToDevice, stream_),
@@ -189,7 +206,7 @@ class NcclCommunicator final : public Communicator {
       cuda_check(cudaMemcpyAsync(source.data_ptr(), input.data_ptr(), input.nbytes(), cudaMemcpyDeviceToDevice, stream_),
                  "cudaMemcpyAsync");
     }
-    nccl_check(ncclReduceScatter(source.data_ptr(), shard.data_ptr(), s, nccl_type(input), nccl_op(op_kind), comm_,
+    settle(ncclReduceScatter(source.data_ptr(), shard.data_ptr(), s, nccl_type(input), nccl_op(op_kind), comm_,
                                  stream_),
                "ncclReduceScatter");
     return finish(op);
@@ -200,7 +217,7 @@ class NcclCommunicator final : public Communicator {
     check(tensor, "all_reduce", "tensor");
     auto op = start(fmt::format("all_reduce({})", to_string(op_kind)), tensor);
     uses(*op, tensor);
-    nccl_check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), nccl_op(op_kind),
+    settle(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), nccl_op(op_kind),
                              comm_, stream_),
                "ncclAllReduce");
     return finish(op);
@@ -212,7 +229,7 @@ class NcclCommunicator final : public Communicator {
     if (root < 0 || root >= world_) throw Error(fmt::format("broadcast: root {} is not a rank of {}", root, world_));
     auto op = start(fmt::format("broadcast(root {})", root), tensor);
     uses(*op, tensor);
-    nccl_check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), root, comm_,
+    settle(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), root, comm_,
                              stream_),
                "ncclBroadcast");
     return finish(op);
@@ -228,7 +245,7 @@ class NcclCommunicator final : public Communicator {
     auto op = start("barrier", barrier_buf_);
     op->blocking = true;
     uses(*op, barrier_buf_);
-    nccl_check(ncclAllReduce(barrier_buf_.data_ptr(), barrier_buf_.data_ptr(), 1, ncclFloat32, ncclSum, comm_, stream_),
+    settle(ncclAllReduce(barrier_buf_.data_ptr(), barrier_buf_.data_ptr(), 1, ncclFloat32, ncclSum, comm_, stream_),
                "ncclAllReduce");
     return finish(op);
   }
@@ -253,6 +270,113 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  // NCCL needs one GPU per rank. Ranks on one machine that see the same GPU (CUDA_VISIBLE_DEVICES=0
+  // given to every rank, a process count above the GPU count) are named before NCCL would fail or
+  // hang on them: each rank posts its host and the GPU's PCI bus id.
+  void check_one_gpu_per_rank(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
+    char bus[32] = {0};
+    cuda_check(cudaDeviceGetPCIBusId(bus, sizeof bus - 1, device_), "cudaDeviceGetPCIBusId");
+    char host[256] = {0};
+    gethostname(host, sizeof host - 1);
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    const GpuOfRank mine{host, bus, device_, visible ? visible : "(unset)"};
+    auto s = store;
+    const std::string key = prefix_ + "gpu/";
+    run_bounded([s, k = key + std::to_string(rank_), v = to_bytes(mine.encode())] { s->set(k, v); }, timeout,
+                "exchanging the ranks' GPUs:");
+    std::vector<GpuOfRank> all;
+    for (int r = 0; r < world_; ++r) {
+      const std::string k = key + std::to_string(r);
+      all.push_back(GpuOfRank::decode(from_bytes(bounded<std::vector<uint8_t>>(
+          [s, k, timeout] {
+            s->wait({k}, timeout);
+            return s->get(k);
+          },
+          timeout + std::chrono::seconds(5), "exchanging the ranks' GPUs:"))));
+    }
+    const std::string shared = describe_shared_gpu(all);
+    if (!shared.empty()) throw Error(shared);
+  }
+
+  // ncclCommInitRankConfig without blocking, under comm_timeout: a peer that stopped after the id
+  // exchange (or never arrived) is named instead of hanging every rank in NCCL's bootstrap.
+  void init_communicator(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
+    ncclUniqueId id;
+    auto s = store;
+    const std::string key = prefix_ + "unique_id";
+    if (rank_ == 0) {
+      nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+      const std::vector<uint8_t> value(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof id);
+      run_bounded([s, key, value] { s->set(key, value); }, timeout, "publishing the NCCL unique id:");
+    } else {
+      // Every store call under the deadline of the collectives (a stopped store host is named).
+      const auto bytes = bounded<std::vector<uint8_t>>(
+          [s, key, timeout] {
+            s->wait({key}, timeout);
+            return s->get(key);
+          },
+          timeout + std::chrono::seconds(5), "waiting for rank 0's NCCL unique id:");
+      if (bytes.size() != sizeof id) throw Error("the NCCL unique id in the store has the wrong size");
+      std::memcpy(&id, bytes.data(), sizeof id);
+    }
+    run_bounded([s, k = prefix_ + "init/" + std::to_string(rank_)] { s->set(k, std::vector<uint8_t>{1}); }, timeout,
+                "creating the NCCL communicator:");
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t started = ncclCommInitRankConfig(&comm_, world_, id, rank_, &config);
+    if (started != ncclSuccess && started != ncclInProgress) {
+      if (comm_) ncclCommAbort(comm_);
+      comm_ = nullptr;
+      nccl_check(started, "ncclCommInitRankConfig");
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      ncclResult_t state = ncclInProgress;
+      nccl_check(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress) {
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        nccl_check(state, "ncclCommInitRankConfig");
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        std::vector<int> missing;
+        for (int r = 0; r < world_; ++r) {
+          const std::string k = prefix_ + "init/" + std::to_string(r);
+          if (!bounded<bool>([s, k] { return s->check({k}); }, std::chrono::seconds(5), "creating the NCCL communicator:"))
+            missing.push_back(r);
+        }
+        throw Error(fmt::format(
+            "rank {}: creating the NCCL communicator timed out after {:g} s (comm_timeout){}", rank_,
+            timeout.count() / 1000.0,
+            missing.empty() ? std::string(": every rank started it, so a rank stopped or lost its network during NCCL's "
+                                          "set-up (NCCL_DEBUG=INFO shows where)")
+                            : fmt::format("; rank{} {} never started it", missing.size() == 1 ? "" : "s",
+                                          fmt::join(missing, ", "))));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
+  // A collective enqueued on the non-blocking communicator may still be in progress when its call
+  // returns (NCCL connects lazily); the next NCCL call must wait until it is not.
+  void settle(ncclResult_t r, const char* what) {
+    if (r == ncclInProgress) {
+      const auto deadline = std::chrono::steady_clock::now() + monitor_.timeout();
+      do {
+        if (std::chrono::steady_clock::now() > deadline) {
+          throw Error(fmt::format("{}: still in progress after {:g} s (comm_timeout)", what,
+                                  monitor_.timeout().count() / 1000.0));
+        }
+        std::this_thread::yield();
+        nccl_check(ncclCommGetAsyncError(comm_, &r), "ncclCommGetAsyncError");
+      } while (r == ncclInProgress);
+    }
+    nccl_check(r, what);
+  }
+
   cudaStream_t current_stream() const {
     c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
     return static_cast<cudaStream_t>(impl.getStream(c10::Device(c10::DeviceType::CUDA, device_)).native_handle());
@@ -367,6 +491,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   int rank_, world_, device_;
+  std::string prefix_;  // this communicator's store keys
   Monitor monitor_;
   ncclComm_t comm_ = nullptr;
   c10::Stream side_{c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CUDA, 0)};

@@ -226,6 +226,11 @@ struct Config {
   std::string to_yaml(bool with_origins = true) const;
 };
 
+// gpu_ids' GPUs: empty for "all" (or ""), else the distinct device indices of a comma-separated list
+// ("0,1"), as the process sees them (after CUDA_VISIBLE_DEVICES). Throws zeal::Error naming the key
+// and the bad entry.
+std::vector<int> parse_gpu_ids(const std::string& gpu_ids);
+
 // Where `zeal config` writes and `zeal launch` reads the default config:
 // $ZEAL_HOME/default_config.yaml, else ~/.cache/zeal/default_config.yaml.
 std::string default_config_path();

@@ -250,7 +250,8 @@ std::vector<Field> make_fields() {
                          "Rendezvous: static (fixed ranks) or c10d"));
   f.push_back(bool_field("same_network", ZEAL_GET(launch.same_network), "All machines on one network"));
   f.push_back(bool_field("use_cpu", ZEAL_GET(launch.use_cpu), "Train on the CPU even when GPUs exist"));
-  f.push_back(string_field("gpu_ids", ZEAL_GET(launch.gpu_ids), false, "GPUs to use: all or a list like 0,1"));
+  f.push_back(string_field("gpu_ids", ZEAL_GET(launch.gpu_ids), false,
+                           "GPUs to use: all or a list like 0,1 (as the process sees them); local rank r takes the r-th"));
   // A millisecond to 30 days: the deadline is kept in milliseconds.
   f.push_back(float_field("comm_timeout", ZEAL_GET(launch.comm_timeout), FloatRange{0.001, 2592000.0, false, false},
                           "Seconds a collective may wait before its rank fails with a report"));

@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -202,11 +205,40 @@ void finalize(Config& c, std::vector<std::string>& errors) {
 
 }  // namespace config_detail
 
+std::vector<int> parse_gpu_ids(const std::string& gpu_ids) {
+  std::vector<int> ids;
+  if (gpu_ids.empty() || gpu_ids == "all") return ids;
+  std::stringstream in(gpu_ids);
+  for (std::string item; std::getline(in, item, ',');) {
+    const auto b = item.find_first_not_of(' '), e = item.find_last_not_of(' ');
+    const std::string id = b == std::string::npos ? "" : item.substr(b, e - b + 1);
+    const bool digits = !id.empty() && id.size() <= 4 && std::all_of(id.begin(), id.end(), [](char c) {
+      return c >= '0' && c <= '9';
+    });
+    if (!digits) {
+      throw Error(fmt::format("gpu_ids: '{}' in \"{}\" is not a GPU index; expected all or a list like 0,1", id,
+                              gpu_ids));
+    }
+    const int v = std::stoi(id);
+    if (std::find(ids.begin(), ids.end(), v) != ids.end()) {
+      throw Error(fmt::format("gpu_ids: GPU {} is listed twice in \"{}\"", v, gpu_ids));
+    }
+    ids.push_back(v);
+  }
+  return ids;
+}
+
 std::vector<std::string> Config::validate() const {
   std::vector<std::string> errors, warnings;
   const auto& z = zero;
   const std::string stage_text = named(*this, "zero_optimization.stage");
 
+  try {
+    (void)parse_gpu_ids(launch.gpu_ids);
+  } catch (const Error& e) {
+    // parse_gpu_ids's message starts with the key; say where its value came from instead.
+    errors.push_back(fmt::format("{}: {}", named(*this, "gpu_ids"), std::string(e.what()).substr(9)));
+  }
   if (z.offload_param.device != OffloadDevice::kNone && z.stage < 3)
     errors.push_back(fmt::format("{}: parameter offload needs ZeRO stage 3, but stage is {} — {}",
                                  named(*this, "zero_optimization.offload_param.device"), z.stage, stage_text));

@@ -81,8 +81,9 @@ class FusedAdam final : public AdamState {
     for (const FusedSegment& s : segments) {
       ZEAL_CHECK(s.grad_type == segments[0].grad_type && s.copy_type == segments[0].copy_type && !s.copy == !segments[0].copy)
           << "segments of one step share their gradient and copy types";
-      tensors.push_back({s.master, exp_avg_.data_ptr<float>() + s.offset, exp_avg_sq_.data_ptr<float>() + s.offset, s.grad,
-                         s.copy, s.n});
+      // A segment's own m and v (NVMe windows, CPU-offloaded state) or the optimizer's, as on the CPU.
+      tensors.push_back({s.master, s.m ? s.m : exp_avg_.data_ptr<float>() + s.offset,
+                         s.v ? s.v : exp_avg_sq_.data_ptr<float>() + s.offset, s.grad, s.copy, s.n});
     }
     // On the current stream, after the gradients' reduction the program's stream waits for.
     if (!tensors.empty()) {

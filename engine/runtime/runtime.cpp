@@ -194,6 +194,7 @@ struct Runtime::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   std::unique_ptr<Communicator> gloo;
   std::unique_ptr<Communicator> nccl;
+  int nccl_device = -1;
   std::mutex mu;
 };
 
@@ -316,22 +317,31 @@ const DistEnv& Runtime::env() const { return impl_->env; }
 
 Communicator& Runtime::comm() { return *impl_->gloo; }
 
-Communicator& Runtime::cuda_comm() {
+Communicator& Runtime::cuda_comm(int device) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (!impl_->nccl) {
+  if (impl_->nccl) {
+    if (device >= 0 && device != impl_->nccl_device) {
+      throw Error(fmt::format("rank {}: the NCCL communicator works on cuda:{}; it cannot also serve cuda:{}", rank(),
+                              impl_->nccl_device, device));
+    }
+    return *impl_->nccl;
+  }
 #ifdef ZEAL_HAVE_NCCL
-    constexpr bool have_nccl = true;
+  constexpr bool have_nccl = true;
 #else
-    constexpr bool have_nccl = false;
+  constexpr bool have_nccl = false;
 #endif
+  if (device < 0) {
     const int count = at::detail::getCUDAHooks().hasCUDA() ? at::detail::getCUDAHooks().deviceCount() : 0;
     const DeviceChoice choice = choose_cuda_device(local_rank(), local_world_size(), count, have_nccl);
     if (choice.backend != CudaBackend::kNccl) {
       throw Error("ZEAL_COMM_BACKEND=gloo: CUDA tensors go through the Gloo communicator (Runtime::comm())");
     }
-    impl_->nccl = detail::make_nccl_communicator(impl_->store, rank(), world_size(), choice.device, impl_->timeout,
-                                                 impl_->options.debug_collectives);
+    device = choice.device;
   }
+  impl_->nccl = detail::make_nccl_communicator(impl_->store, rank(), world_size(), device, impl_->timeout,
+                                               impl_->options.debug_collectives);
+  impl_->nccl_device = device;
   return *impl_->nccl;
 }
 

@@ -44,8 +44,10 @@ class Runtime {
 
   // Collectives on CPU tensors (Gloo).
   Communicator& comm();
-  // Collectives on CUDA tensors (NCCL) on GPU local_rank. Throws zeal::Error without NCCL/GPU.
-  Communicator& cuda_comm();
+  // Collectives on CUDA tensors (NCCL) on GPU `device`; -1: the GPU choose_cuda_device gives this
+  // local rank (engine/runtime/device_choice.h). Created on the first call; a later call naming
+  // another GPU is an error. Throws zeal::Error without NCCL or a GPU.
+  Communicator& cuda_comm(int device = -1);
 
   // Small shared values through the store (for rendezvous-like exchanges; not for tensors).
   void store_set(const std::string& key, const std::string& value);

@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -70,8 +71,29 @@ using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
+bool cuda_initialized_in_this_process() {
+  // The driver library is loaded only by a process that used CUDA (LibTorch's CUDA half loads
+  // the runtime, which opens the driver at its first call). Before cuInit every driver call but a
+  // few returns CUDA_ERROR_NOT_INITIALIZED: asking does not initialise anything. A cuInit that
+  // found no device (CUDA_VISIBLE_DEVICES="") leaves nothing a child could trip over.
+  void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  if (!driver) return false;
+  using DeviceGetCount = int (*)(int*);
+  auto get_count = reinterpret_cast<DeviceGetCount>(dlsym(driver, "cuDeviceGetCount"));
+  int count = 0;
+  const bool initialized = get_count && get_count(&count) == 0 && count > 0;
+  dlclose(driver);
+  return initialized;
+}
+
 std::vector<RankResult> spawn(const std::function<void(Runtime&)>& fn, int nprocs, const SpawnOptions& o) {
   if (nprocs < 1) throw Error(fmt::format("spawn: nprocs must be at least 1, got {}", nprocs));
+  if (cuda_initialized_in_this_process()) {
+    throw Error("spawn: CUDA is already initialised in this process (a CUDA tensor, a GPU count, or at::manual_seed "
+                "on a machine with a GPU), and ranks forked from it cannot use CUDA (their first CUDA call fails with "
+                "\"initialization error\"). Call zeal::spawn before anything touches CUDA (seed the CPU generator with "
+                "at::detail::getDefaultCPUGenerator().set_current_seed), or start the ranks with zeal launch");
+  }
   std::fflush(stdout);
   std::fflush(stderr);
   std::vector<RankResult> results(nprocs);

@@ -30,8 +30,12 @@ struct RankResult {
 };
 
 // Returns one result per rank, in rank order. Children run torch with one intra-op thread
-// unless the function sets another count.
+// unless the function sets another count. Refuses (zeal::Error) in a process that has already
+// initialised CUDA: forked children could not use it.
 std::vector<RankResult> spawn(const std::function<void(Runtime&)>& fn, int nprocs, const SpawnOptions& options = {});
+
+// Whether this process has initialised the CUDA driver (without initialising it to find out).
+bool cuda_initialized_in_this_process();
 
 // "rank 1: exit 1: <failure>" lines for the failed ranks (empty when all succeeded).
 std::string describe_failures(const std::vector<RankResult>& results);

@@ -263,6 +263,7 @@ int main(int argc, char** argv) {
         opt.step();
         opt.zero_grad();
       }
+      engine.synchronize();  // the step's GPU work is done before the clock is read
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const double loss = engine.reduce(loss_sum, "mean").item<double>() / static_cast<double>(accum);
       const double tokens_per_s = static_cast<double>(per_step * seq_len) / seconds;

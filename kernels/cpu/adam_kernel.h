@@ -1,9 +1,16 @@
-// The per-element Adam arithmetic shared by every path, written once over a lane type V.
-// Internal to kernels/cpu. V provides: splat(float), add, sub, mul, div, fma(a,b,c) = a·b + c
+// The per-element Adam arithmetic shared by every path, written once over a lane type V: the CPU's
+// scalar, AVX2 and AVX-512 lanes and the CUDA kernel's (kernels/cuda/adam.cu) evaluate the same
+// expression with the same roundings. V provides: splat(float), sub, mul, div, fma(a,b,c) = a·b + c
 // with one rounding, sqrt.
 #pragma once
 
 #include "kernels/cpu/adam.h"
+
+#ifdef __CUDACC__
+#define ZEAL_HOST_DEVICE __host__ __device__
+#else
+#define ZEAL_HOST_DEVICE
+#endif
 
 namespace zeal::cpu::detail {
 
@@ -17,7 +24,7 @@ AdamConstants adam_constants(const AdamHyper& h);
 // g ← g·scale (+ l2·p); m ← β1·m + (1−β1)·g; v ← β2·v + (1−β2)·g²;
 // p ← p·decay − step_size · m / (sqrt(v)·inv_sqrt_bc2 + eps)
 template <class V>
-inline void adam_lanes(const AdamConstants& c, V& p, V& m, V& v, V g) {
+ZEAL_HOST_DEVICE inline void adam_lanes(const AdamConstants& c, V& p, V& m, V& v, V g) {
   g = V::mul(g, V::splat(c.grad_scale));
   g = V::fma(V::splat(c.l2), p, g);
   m = V::fma(V::splat(c.beta1), m, V::mul(V::splat(c.one_minus_beta1), g));

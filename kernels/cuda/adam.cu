@@ -19,32 +19,43 @@ void check(cudaError_t e, const char* what) {
 
 // Work is cut into chunks of kChunk elements; one block per chunk. A launch carries the pointers
 // of up to kMaxTensors tensors and the (tensor, chunk) of up to kMaxBlocks blocks in its
-// parameters (under the 4 KiB every CUDA version accepts).
+// parameters: CUDA 12.1 and later take up to 32 KiB of them (Volta and newer), so one launch covers
+// 2048 chunks (134 M elements); older toolkits keep under the 4 KiB every version accepts.
 constexpr int kChunk = 1 << 16;
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+constexpr int kMaxTensors = 110;
+constexpr int kMaxBlocks = 2048;
+#else
 constexpr int kMaxTensors = 24;
 constexpr int kMaxBlocks = 320;
-constexpr int kThreads = 256;
+#endif
+constexpr int kThreads = 256;      // the reductions
+constexpr int kAdamThreads = 512;  // the Adam step: 4 elements a thread per pass, 2048 a block
 
 template <int kPtrs>
 struct Batch {
   void* ptr[kPtrs][kMaxTensors];
   int64_t n[kMaxTensors];
+  unsigned char vec[kMaxTensors];  // every pointer of the tensor allows 4-element vector accesses
   unsigned char tensor[kMaxBlocks];
   int chunk[kMaxBlocks];
   int blocks;
 };
+static_assert(kMaxTensors < 256, "Batch::tensor holds a tensor's slot in a byte");
 
 // Packs the tensors into batches and calls launch(batch, first_block) for each, where
-// first_block counts the blocks of earlier batches.
+// first_block counts the blocks of earlier batches. vec[t]: whether tensor t's pointers are aligned
+// for vector accesses (all true when unset).
 template <int kPtrs, class Launch>
 void for_each_batch(const std::vector<std::array<void*, kPtrs>>& ptrs, const std::vector<int64_t>& sizes,
-                    Launch&& launch) {
+                    Launch&& launch, const std::vector<bool>& vec = {}) {
   Batch<kPtrs> b{};
   int tensors = 0;
   int64_t first_block = 0;
   auto add_tensor = [&](size_t t) {
     for (int k = 0; k < kPtrs; ++k) b.ptr[k][tensors] = ptrs[t][k];
     b.n[tensors] = sizes[t];
+    b.vec[tensors] = vec.empty() || vec[t];
     return tensors++;
   };
   auto flush = [&] {
@@ -86,40 +97,110 @@ __device__ __forceinline__ unsigned short to_bf16(float f) {
   return static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-__device__ __forceinline__ void store(void* p, DType type, int64_t i, float w) {
-  switch (type) {
-    case DType::kBf16: static_cast<unsigned short*>(p)[i] = to_bf16(w); break;
-    case DType::kFp16: static_cast<__half*>(p)[i] = __float2half_rn(w); break;
-    default: static_cast<float*>(p)[i] = w;
-  }
+__device__ __forceinline__ unsigned short to_16(float f, DType type) {
+  return type == DType::kBf16 ? to_bf16(f) : __half_as_ushort(__float2half_rn(f));
 }
 
-// The CPU kernel's expression (kernels/cpu/adam_kernel.h) with explicit roundings: nvcc would
-// otherwise contract multiply-adds the CPU path keeps separate.
-__global__ void adam_kernel(Batch<5> b, cpu::detail::AdamConstants c, DType grad_type, DType copy_type) {
+__device__ __forceinline__ float from_16(unsigned short h, DType type) {
+  return type == DType::kBf16 ? __uint_as_float(static_cast<unsigned>(h) << 16) : __half2float(__ushort_as_half(h));
+}
+
+// One lane of the shared Adam expression (kernels/cpu/adam_kernel.h) with explicit roundings: nvcc
+// would otherwise contract the multiply-adds the CPU path keeps separate.
+struct Lane {
+  float x;
+  __device__ static Lane splat(float f) { return {f}; }
+  __device__ static Lane sub(Lane a, Lane b) { return {__fsub_rn(a.x, b.x)}; }
+  __device__ static Lane mul(Lane a, Lane b) { return {__fmul_rn(a.x, b.x)}; }
+  __device__ static Lane div(Lane a, Lane b) { return {__fdiv_rn(a.x, b.x)}; }
+  __device__ static Lane fma(Lane a, Lane b, Lane c) { return {__fmaf_rn(a.x, b.x, c.x)}; }
+  __device__ static Lane sqrt(Lane a) { return {__fsqrt_rn(a.x)}; }
+};
+
+// The compute copy written beside the master: none, fp32, or a 16-bit type.
+enum class Copy { kNone, kFp32, kBf16, kFp16 };
+
+template <DType G, Copy C>
+__device__ __forceinline__ void adam_element(const cpu::detail::AdamConstants& c, float* master, float* m_, float* v_,
+                                             const void* grad, void* copy, int64_t i) {
+  Lane p{master[i]}, m{m_[i]}, v{v_[i]};
+  cpu::detail::adam_lanes(c, p, m, v, Lane{load(grad, G, i)});
+  master[i] = p.x;
+  m_[i] = m.x;
+  v_[i] = v.x;
+  if constexpr (C == Copy::kFp32) static_cast<float*>(copy)[i] = p.x;
+  if constexpr (C == Copy::kBf16) static_cast<unsigned short*>(copy)[i] = to_bf16(p.x);
+  if constexpr (C == Copy::kFp16) static_cast<__half*>(copy)[i] = __float2half_rn(p.x);
+}
+
+// Each thread updates 4 consecutive elements a pass with 16-byte loads of master, m and v (8 bytes
+// of a 16-bit gradient or copy), where the tensor's pointers allow it; a chunk's last n mod 4
+// elements, and tensors that start unaligned (segments at any offset of a flat buffer), take the
+// one-element path. Memory traffic per element: 12 bytes read (master, m, v) + the gradient, 12
+// written + the copy: the kernel is bound by memory bandwidth, not arithmetic.
+template <DType G, Copy C>
+__global__ void __launch_bounds__(kAdamThreads) adam_kernel(const Batch<5> b, const cpu::detail::AdamConstants c) {
   const int t = b.tensor[blockIdx.x];
   const int64_t begin = static_cast<int64_t>(b.chunk[blockIdx.x]) * kChunk;
   const int64_t end = min(b.n[t], begin + kChunk);
-  float* master = static_cast<float*>(b.ptr[0][t]);
-  float* m_ = static_cast<float*>(b.ptr[1][t]);
-  float* v_ = static_cast<float*>(b.ptr[2][t]);
-  const void* grad = b.ptr[3][t];
-  void* copy = b.ptr[4][t];
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    float g = __fmul_rn(load(grad, grad_type, i), c.grad_scale);
-    float p = master[i];
-    g = __fmaf_rn(c.l2, p, g);
-    const float m = __fmaf_rn(c.beta1, m_[i], __fmul_rn(c.one_minus_beta1, g));
-    const float v = __fmaf_rn(c.beta2, v_[i], __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
-    const float denom = __fmaf_rn(__fsqrt_rn(v), c.inv_sqrt_bc2, c.eps);
-    p = __fmul_rn(p, c.decay);
-    p = __fsub_rn(p, __fmul_rn(c.step_size, __fdiv_rn(m, denom)));
-    master[i] = p;
-    m_[i] = m;
-    v_[i] = v;
-    if (copy) store(copy, copy_type, i, p);
+  float* __restrict__ master = static_cast<float*>(b.ptr[0][t]);
+  float* __restrict__ m_ = static_cast<float*>(b.ptr[1][t]);
+  float* __restrict__ v_ = static_cast<float*>(b.ptr[2][t]);
+  const void* __restrict__ grad = b.ptr[3][t];
+  void* __restrict__ copy = b.ptr[4][t];
+  int64_t tail = begin;
+  if (b.vec[t]) {
+    tail = begin + ((end - begin) & ~int64_t{3});
+    for (int64_t i = begin + 4 * static_cast<int64_t>(threadIdx.x); i < tail; i += 4 * kAdamThreads) {
+      const float4 p4 = *reinterpret_cast<const float4*>(master + i);
+      const float4 m4 = *reinterpret_cast<const float4*>(m_ + i);
+      const float4 v4 = *reinterpret_cast<const float4*>(v_ + i);
+      float g[4];
+      if constexpr (G == DType::kFp32) {
+        const float4 g4 = __ldcs(reinterpret_cast<const float4*>(grad) + i / 4);
+        g[0] = g4.x, g[1] = g4.y, g[2] = g4.z, g[3] = g4.w;
+      } else {
+        const uint2 h = __ldcs(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(grad) + i));
+        g[0] = from_16(h.x & 0xffffu, G), g[1] = from_16(h.x >> 16, G);
+        g[2] = from_16(h.y & 0xffffu, G), g[3] = from_16(h.y >> 16, G);
+      }
+      Lane p[4] = {{p4.x}, {p4.y}, {p4.z}, {p4.w}};
+      Lane m[4] = {{m4.x}, {m4.y}, {m4.z}, {m4.w}};
+      Lane v[4] = {{v4.x}, {v4.y}, {v4.z}, {v4.w}};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) cpu::detail::adam_lanes(c, p[k], m[k], v[k], Lane{g[k]});
+      *reinterpret_cast<float4*>(master + i) = make_float4(p[0].x, p[1].x, p[2].x, p[3].x);
+      *reinterpret_cast<float4*>(m_ + i) = make_float4(m[0].x, m[1].x, m[2].x, m[3].x);
+      *reinterpret_cast<float4*>(v_ + i) = make_float4(v[0].x, v[1].x, v[2].x, v[3].x);
+      if constexpr (C == Copy::kFp32) {
+        *reinterpret_cast<float4*>(static_cast<float*>(copy) + i) = make_float4(p[0].x, p[1].x, p[2].x, p[3].x);
+      } else if constexpr (C != Copy::kNone) {
+        constexpr DType T = C == Copy::kBf16 ? DType::kBf16 : DType::kFp16;
+        const uint2 h = make_uint2(to_16(p[0].x, T) | (static_cast<unsigned>(to_16(p[1].x, T)) << 16),
+                                   to_16(p[2].x, T) | (static_cast<unsigned>(to_16(p[3].x, T)) << 16));
+        *reinterpret_cast<uint2*>(static_cast<unsigned short*>(copy) + i) = h;
+      }
+    }
+  }
+  for (int64_t i = tail + threadIdx.x; i < end; i += kAdamThreads) adam_element<G, C>(c, master, m_, v_, grad, copy, i);
+}
+
+template <DType G, Copy C>
+void launch_adam(const Batch<5>& b, const cpu::detail::AdamConstants& c, cudaStream_t s) {
+  adam_kernel<G, C><<<b.blocks, kAdamThreads, 0, s>>>(b, c);
+}
+
+template <DType G>
+void launch_adam(Copy copy, const Batch<5>& b, const cpu::detail::AdamConstants& c, cudaStream_t s) {
+  switch (copy) {
+    case Copy::kNone: return launch_adam<G, Copy::kNone>(b, c, s);
+    case Copy::kFp32: return launch_adam<G, Copy::kFp32>(b, c, s);
+    case Copy::kBf16: return launch_adam<G, Copy::kBf16>(b, c, s);
+    case Copy::kFp16: return launch_adam<G, Copy::kFp16>(b, c, s);
   }
 }
+
+bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
 
 __global__ void sumsq_kernel(Batch<1> b, DType type, double* partials) {
   const int t = b.tensor[blockIdx.x];
@@ -173,16 +254,38 @@ __global__ void unscale_kernel(Batch<1> b, float inv_scale, int* found_inf) {
 void multi_tensor_adam(const AdamHyper& h, const std::vector<AdamTensor>& tensors, DType grad_type,
                        DType copy_type, void* stream) {
   const cpu::detail::AdamConstants c = cpu::detail::adam_constants(h);
+  const uintptr_t grad_bytes = grad_type == DType::kFp32 ? 16 : 8;
+  const uintptr_t copy_bytes = copy_type == DType::kFp32 ? 16 : 8;
   std::vector<std::array<void*, 5>> ptrs;
   std::vector<int64_t> sizes;
+  std::vector<bool> vec;
+  bool any_copy = false;
   for (const AdamTensor& t : tensors) {
     ptrs.push_back({t.master, t.m, t.v, const_cast<void*>(t.grad), t.copy});
     sizes.push_back(t.n);
+    vec.push_back(aligned(t.master, 16) && aligned(t.m, 16) && aligned(t.v, 16) && aligned(t.grad, grad_bytes) &&
+                  (!t.copy || aligned(t.copy, copy_bytes)));
+    any_copy = any_copy || t.copy;
   }
-  for_each_batch<5>(ptrs, sizes, [&](const Batch<5>& b, int64_t) {
-    adam_kernel<<<b.blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(b, c, grad_type, copy_type);
-    check(cudaGetLastError(), "multi_tensor_adam launch");
-  });
+  for (const AdamTensor& t : tensors) {
+    if (t.n > 0 && any_copy && !t.copy) throw Error("multi_tensor_adam: every tensor of one call has a copy, or none");
+  }
+  const Copy copy = !any_copy                       ? Copy::kNone
+                    : copy_type == DType::kFp32     ? Copy::kFp32
+                    : copy_type == DType::kBf16     ? Copy::kBf16
+                                                    : Copy::kFp16;
+  const auto s = static_cast<cudaStream_t>(stream);
+  for_each_batch<5>(
+      ptrs, sizes,
+      [&](const Batch<5>& b, int64_t) {
+        switch (grad_type) {
+          case DType::kFp32: launch_adam<DType::kFp32>(copy, b, c, s); break;
+          case DType::kBf16: launch_adam<DType::kBf16>(copy, b, c, s); break;
+          case DType::kFp16: launch_adam<DType::kFp16>(copy, b, c, s); break;
+        }
+        check(cudaGetLastError(), "multi_tensor_adam launch");
+      },
+      vec);
 }
 
 int64_t sumsq_workspace(const std::vector<int64_t>& sizes) {

@@ -32,6 +32,7 @@
 #include "engine/zero/sharded.h"
 
 #include "tests/engine/engine_harness.h"
+#include "tests/engine/phase_harness.h"
 
 namespace zeal_test {
 namespace {
@@ -39,58 +40,7 @@ namespace {
 namespace ckpt = zeal::ckpt;
 
 namespace fs = std::filesystem;
-constexpr int kSteps = 6;
-
-struct Phase {
-  RunSpec spec;
-  int from = 0, to = kSteps;
-  std::string load, save;  // directories (empty: none)
-  int save_at = -1;         // save before this step instead of after the last
-  zeal::SaveStateOptions options = {};
-};
-
-// Trains steps [from, to) of a run whose step k always sees the same global batch (samples
-// k·B … (k+1)·B − 1 of one fixed stream, B the global batch), loading before and saving after as
-// asked; returns every rank's final parameters.
-std::vector<at::Tensor> run_phase(const Phase& p, const std::string& name) {
-  const RunSpec& s = p.spec;
-  const std::string out = temp_dir("ckpt_out_" + name);
-  auto results = zeal::spawn(
-      [&](zeal::Runtime& rt) {
-        zeal::Engine engine(make_config(s), rt);
-        zeal_test::Setup u = make_setup(s);
-        auto [m, o] = engine.prepare(u.model, *u.opt);
-        if (!p.load.empty()) engine.load_state(p.load);
-        const int64_t per_step = s.micro_batch * s.world * s.accumulation;
-        at::Tensor tokens = make_tokens(per_step * kSteps);
-        for (int step = p.from; step < p.to; ++step) {
-          if (step == p.save_at && !p.save.empty()) engine.save_state(p.save, p.options);
-          for (int micro = 0; micro < s.accumulation; ++micro) {
-            auto guard = engine.accumulate(m);
-            const int64_t first = step * per_step + (micro * s.world + engine.process_index()) * s.micro_batch;
-            at::Tensor loss;
-            {
-              auto ac = engine.autocast();
-              loss = lm_loss(m, tokens.narrow(0, first, s.micro_batch));
-            }
-            engine.backward(loss);
-            if (engine.sync_gradients() && s.clip > 0) engine.clip_grad_norm_(s.clip);
-            o.step();
-            o.zero_grad();
-          }
-        }
-        if (!p.save.empty() && p.save_at < 0) engine.save_state(p.save, p.options);
-        engine.wait_for_save();
-        auto g = engine.gathered();
-        write_tensor(out + "/params_" + std::to_string(engine.process_index()), flat_params(*m));
-      },
-      s.world);
-  EXPECT_EQ(zeal::describe_failures(results), "") << name;
-  std::vector<at::Tensor> params;
-  for (int r = 0; r < s.world; ++r) params.push_back(read_tensor(out + "/params_" + std::to_string(r)));
-  fs::remove_all(out);
-  return params;
-}
+constexpr int kSteps = kPhaseSteps;
 
 struct ResumeCase {
   std::string label;
@@ -192,12 +142,12 @@ TEST(CheckpointRng, EachRankContinuesItsOwnRandomStreamAndRegisteredObjectsComeB
           auto counter = std::make_shared<Counter>();
           engine.register_for_checkpointing(counter);
           if (load) {
-            at::manual_seed(999);  // another stream, which the load must replace
+            zeal_test::seed(999);  // another stream, which the load must replace
             engine.load_state(ckpt);
             if (counter->value != 4242) throw zeal::Error("the registered object was not restored");
           } else {
             counter->value = engine.is_main_process() ? 4242 : 7;  // rank 0's is saved
-            at::manual_seed(100 + engine.process_index());
+            zeal_test::seed(100 + engine.process_index());
             (void)at::rand({7});
             engine.save_state(ckpt);
           }
@@ -549,7 +499,7 @@ TEST(CheckpointExport, ExportedWeightsEqualTheGatheredParameters) {
   auto fresh = [&] {
     TinyGptOptions mo = model_options();
     mo.layers = s.layers;
-    at::manual_seed(12345);  // other values than the trained ones
+    zeal_test::seed(12345);  // other values than the trained ones
     return TinyGpt(mo);
   };
   {
@@ -611,7 +561,7 @@ TEST(CheckpointExport, EachRankReadsOnlyItsShardsIntoAPreparedModel) {
   };
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
-        zeal::Config c = zeal::Config::defaults(false);
+        zeal::Config c = zeal_test::test_config();
         c.zero.stage = 3;
         c.zero.stage3_param_persistence_threshold = {0, false};
         zeal::Engine engine(c, rt);

@@ -84,41 +84,6 @@ TEST(Collectives, ATensorOnAnotherDeviceIsNamed) {
   EXPECT_EQ(describe_failures(results), "");
 }
 
-// GPUs this process may use, counted without initialising CUDA: spawn forks the ranks, and CUDA
-// initialised in the parent cannot be used in a forked child.
-int gpus_without_initialising_cuda() {
-  if (!at::detail::getCUDAHooks().hasCUDART()) return 0;  // LibTorch's CPU half only
-  if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES"); v && *v) {
-    const std::string list(v);
-    if (list == "-1" || list == "none") return 0;
-    return static_cast<int>(std::count(list.begin(), list.end(), ',')) + 1;
-  }
-  int n = 0;
-  if (DIR* d = opendir("/proc/driver/nvidia/gpus")) {
-    while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
-    closedir(d);
-  }
-  return n;
-}
-
-// The NCCL backend on CUDA tensors: one rank per GPU, as many ranks as GPUs (at most 4).
-TEST(NcclCollectives, EveryOpDtypeAndUnevenSizeMatchesLocalValues) {
-  const int gpus = std::min(4, gpus_without_initialising_cuda());
-  if (gpus == 0) GTEST_SKIP() << "no GPU (or LibTorch without CUDA): the NCCL backend runs only on GPUs";
-  auto results = spawn(
-      [](Runtime& rt) {
-        EXPECT_EQ(rt.cuda_comm().backend(), "nccl");
-        const auto checks = run_collective_checks(rt.cuda_comm(), /*cuda=*/true);
-        std::string failed;
-        for (const auto& c : checks) {
-          if (!c.passed) failed += c.name + " " + c.detail + "\n";
-        }
-        if (!failed.empty()) throw Error(failed);
-      },
-      gpus);
-  EXPECT_EQ(describe_failures(results), "");
-}
-
 TEST(Collectives, ReduceScatterOfAnUnevenBufferByHand) {
   // 3 ranks, 10 elements: shards of 4, 4 and 2 (+2 padding). Rank r contributes (r+1)·i.
   auto results = spawn(

@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
+
+#include "engine/config/config.h"
 
 #include "engine/error.h"
 #include "engine/runtime/device_choice.h"
@@ -37,7 +40,8 @@ TEST(DeviceChoice, MoreRanksThanGpusNamesBothNumbers) {
     for (const std::string backend : {"", "nccl"}) {
       const std::string e = error_of(0, ranks, gpus, backend, true);
       EXPECT_NE(e.find(std::to_string(ranks) + " ranks run on this machine"), std::string::npos) << e;
-      EXPECT_NE(e.find("sees " + std::to_string(gpus) + " GPU"), std::string::npos) << e;
+      EXPECT_NE(e.find(" but " + std::to_string(gpus) + " GPU"), std::string::npos) << e;
+      EXPECT_NE(e.find("visible to this process"), std::string::npos) << e;
       EXPECT_NE(e.find("ZEAL_COMM_BACKEND=gloo"), std::string::npos) << e;
     }
   }
@@ -61,6 +65,78 @@ TEST(DeviceChoice, OneGpuGivenToEachRankIsNoShortage) {
     EXPECT_EQ(c.device, 0);
     EXPECT_EQ(c.backend, CudaBackend::kNccl);
   }
+}
+
+// gpu_ids (Accelerate's key): local rank r trains on the r-th listed GPU; NCCL needs as many listed
+// GPUs as local ranks, Gloo shares them.
+TEST(DeviceChoice, GpuIdsPickTheListedGpus) {
+  EXPECT_EQ(choose_cuda_device(0, 2, 4, "", true, false, "2,3").device, 2);
+  EXPECT_EQ(choose_cuda_device(1, 2, 4, "", true, false, "2,3").device, 3);
+  EXPECT_EQ(choose_cuda_device(0, 1, 4, "", true, false, " 3 ").device, 3);
+  EXPECT_EQ(choose_cuda_device(1, 2, 4, "", true, false, "all").device, 1);
+  try {
+    (void)choose_cuda_device(0, 3, 4, "", true, false, "2,3");
+    FAIL() << "three ranks on two listed GPUs over NCCL";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("3 ranks run on this machine but 2 GPUs are listed in gpu_ids (2,3)"), std::string::npos) << m;
+    EXPECT_NE(m.find("list more GPUs in gpu_ids"), std::string::npos) << m;
+  }
+  EXPECT_EQ(choose_cuda_device(2, 3, 4, "gloo", true, false, "2,3").device, 2);
+  // A listed GPU must exist, even when a process sees one GPU through CUDA_VISIBLE_DEVICES.
+  try {
+    (void)choose_cuda_device(0, 1, 4, "", true, false, "1,5");
+    FAIL() << "GPU 5 of 4";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gpu_ids lists GPU 5, but this process sees 4 GPUs"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW((void)choose_cuda_device(0, 2, 1, "", true, true, "0,1"), Error);
+}
+
+TEST(DeviceChoice, GpuIdsThatAreNoListAreRefusedWithTheKey) {
+  EXPECT_EQ(parse_gpu_ids("all"), std::vector<int>{});
+  EXPECT_EQ(parse_gpu_ids(""), std::vector<int>{});
+  EXPECT_EQ(parse_gpu_ids("0, 2,1"), (std::vector<int>{0, 2, 1}));
+  for (const auto& [value, says] : {std::pair{"0,x", "'x' in \"0,x\" is not a GPU index"},
+                                    std::pair{"1,1", "GPU 1 is listed twice"}, std::pair{"0,,1", "'' in"},
+                                    std::pair{"-1", "'-1'"}, std::pair{"99999", "'99999'"}}) {
+    try {
+      (void)parse_gpu_ids(value);
+      FAIL() << value;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).rfind("gpu_ids: ", 0), 0u) << e.what();
+    }
+  }
+  // Through a config file: the key, where it came from and the bad entry.
+  try {
+    (void)Config::parse("gpu_ids: 0,a\nnum_processes: 2\n", "acc.yaml");
+    FAIL() << "accepted gpu_ids: 0,a";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("gpu_ids (from"), std::string::npos) << m;
+    EXPECT_NE(m.find("acc.yaml"), std::string::npos) << m;
+    EXPECT_NE(m.find("'a' in \"0,a\""), std::string::npos) << m;
+  }
+}
+
+// Two ranks on one host that see the same GPU (CUDA_VISIBLE_DEVICES=0 exported to both) are named
+// with the GPU and both values; the same bus id on two hosts, or two GPUs of one host, are fine.
+TEST(DeviceChoice, TwoRanksOnOneGpuAreNamed) {
+  const GpuOfRank a{"node-a", "0000:1A:00.0", 0, "0"}, b{"node-a", "0000:1B:00.0", 1, "(unset)"},
+      c{"node-b", "0000:1A:00.0", 0, "0"}, d{"node-a", "0000:1A:00.0", 0, "0"};
+  EXPECT_EQ(describe_shared_gpu({a, b, c}), "");
+  const std::string m = describe_shared_gpu({a, b, c, d});
+  EXPECT_NE(m.find("ranks 0 and 3 both run on GPU 0000:1A:00.0 of node-a"), std::string::npos) << m;
+  EXPECT_NE(m.find("CUDA_VISIBLE_DEVICES=0 in rank 0"), std::string::npos) << m;
+  EXPECT_NE(m.find("CUDA_VISIBLE_DEVICES=0 in rank 3"), std::string::npos) << m;
+  EXPECT_NE(m.find("ZEAL_COMM_BACKEND=gloo"), std::string::npos) << m;
+  const GpuOfRank back = GpuOfRank::decode(b.encode());
+  EXPECT_EQ(back.host, b.host);
+  EXPECT_EQ(back.bus_id, b.bus_id);
+  EXPECT_EQ(back.device, b.device);
+  EXPECT_EQ(back.visible, b.visible);
 }
 
 TEST(DeviceChoice, BadValuesAreNamed) {

@@ -27,7 +27,7 @@ namespace {
 // the compiler's own cpuid check.
 TEST(Precision, Bf16OnACpuWithoutBf16InstructionsIsNamed) {
   for (const std::string precision : {"bf16", "no"}) {
-    zeal::Config c = zeal::Config::defaults(false);
+    zeal::Config c = zeal_test::test_config();
     c.mixed_precision = precision;
     testing::internal::CaptureStderr();
     { zeal::Engine engine(c); }
@@ -52,7 +52,7 @@ TEST(Precision, LowPrecisionLinearMatchesFloat64OnTheCpu) {
   for (const auto dtype : {at::kBFloat16, at::kHalf}) {
     for (const bool with_bias : {true, false}) {
       const int64_t in = sh.in, out = sh.out;
-      at::manual_seed(7);
+      zeal_test::seed(7);
       const auto f64 = at::TensorOptions().dtype(at::kDouble);
       const at::Tensor x = at::randn({sh.batch, sh.tokens, in}, f64).to(dtype).requires_grad_();
       const at::Tensor w = (at::randn({out, in}, f64) / std::sqrt(static_cast<double>(in))).to(dtype).requires_grad_();
@@ -225,7 +225,7 @@ TEST(Frozen, EmbeddingsStayBitForBitAndTheRestMatches) {
     s.freeze_embeddings = true;
     const RunResult got = run_engine(s, "frozen" + std::to_string(stage));
     const RunResult ref = run_reference(s);
-    at::manual_seed(s.seed);
+    zeal_test::seed(s.seed);
     TinyGpt init(model_options());
     const int64_t frozen = init->wte->weight.numel() + init->wpe->weight.numel();  // registered first
     EXPECT_TRUE(at::equal(got.params[0].narrow(0, 0, frozen), flat_params(*init).narrow(0, 0, frozen)));
@@ -374,7 +374,7 @@ TEST(Config, OptimizerAndScheduleFromTheConfig) {
         c.scheduler.warmup_num_steps = {4, false};
         c.scheduler.warmup_type = "linear";
         zeal::Engine engine(c, rt);
-        at::manual_seed(3);
+        zeal_test::seed(3);
         torch::nn::Linear model(3, 2);
         auto m = engine.prepare(model);
         at::Tensor x = at::ones({4, 3});
@@ -386,7 +386,7 @@ TEST(Config, OptimizerAndScheduleFromTheConfig) {
       },
       2);
   ASSERT_EQ(zeal::describe_failures(results), "");
-  at::manual_seed(3);
+  zeal_test::seed(3);
   torch::nn::Linear ref(3, 2);
   torch::optim::SGD opt(ref->parameters(), torch::optim::SGDOptions(0.1));
   at::Tensor x = at::ones({4, 3});
@@ -418,8 +418,9 @@ TEST(Config, DeepSpeedAdamIsAdamWUnlessAdamWModeIsFalse) {
                   {{"lr": 0.01, "weight_decay": 0.1, "adam_w_mode": {}}}}}}})",
                           adam_w_mode ? "true" : "false"),
               "ds.json");
+          c.launch.use_cpu = true;
           zeal::Engine engine(c, rt);
-          at::manual_seed(3);
+          zeal_test::seed(3);
           torch::nn::Linear model(torch::nn::LinearOptions(7, 1).bias(false));
           auto m = engine.prepare(model);
           const at::Tensor x = at::arange(1, 8, at::kFloat).reshape({1, 7}) / 4;
@@ -433,7 +434,7 @@ TEST(Config, DeepSpeedAdamIsAdamWUnlessAdamWModeIsFalse) {
         2);
     ASSERT_EQ(zeal::describe_failures(results), "");
     const at::Tensor w = read_tensor(dir + "/w");
-    at::manual_seed(3);
+    zeal_test::seed(3);
     torch::nn::Linear init(torch::nn::LinearOptions(7, 1).bias(false));
     for (bool decoupled : {true, false}) {
       double worst = 0;

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -25,6 +26,7 @@
 #include "engine/runtime/spawn.h"
 #include "kernels/cpu/adam.h"
 #include "tests/engine/rounding.h"
+#include "tests/test_device.h"
 #include "tests/engine/tiny_gpt.h"
 
 namespace zeal_test {
@@ -63,6 +65,10 @@ struct RunSpec {
   int64_t optimizer_buffer_count = 4;  // offload_optimizer.buffer_count
   // fp16 loss scaling
   int64_t initial_scale_power = 16, loss_scale_window = 1000, hysteresis = 2;
+  // Where the ranks train: "cpu" or "cuda" (tests/test_device.h); more environment for the ranks
+  // (ZEAL_COMM_BACKEND=gloo: ranks share one GPU through the Gloo communicator).
+  std::string device = "cpu";
+  std::map<std::string, std::string> env;
 };
 
 inline TinyGptOptions model_options() { return {}; }
@@ -98,7 +104,7 @@ inline at::Tensor read_tensor(const std::string& path) {
 
 inline at::Tensor flat_params(torch::nn::Module& m) {
   std::vector<at::Tensor> parts;
-  for (auto& p : m.parameters()) parts.push_back(p.detach().to(at::kDouble).reshape({-1}));
+  for (auto& p : m.parameters()) parts.push_back(p.detach().to(at::kCPU, at::kDouble).reshape({-1}));
   return at::cat(parts);
 }
 
@@ -129,7 +135,7 @@ inline std::string error_on_one_rank(const std::string& name, const std::functio
 }
 
 inline zeal::Config make_config(const RunSpec& s) {
-  zeal::Config c = zeal::Config::defaults(false);
+  zeal::Config c = zeal_test::test_config(s.device);
   c.zero.stage = s.stage;
   c.gradient_accumulation_steps = {s.accumulation, false};
   c.gradient_clipping = {0.0, false};  // clipping is the program's call (clip_grad_norm_)
@@ -177,7 +183,7 @@ struct Setup {
 };
 
 inline Setup make_setup(const RunSpec& s, const std::function<TinyGpt()>& build = {}) {
-  at::manual_seed(s.seed);
+  zeal_test::seed(s.seed);
   TinyGptOptions mo = model_options();
   mo.layers = s.layers;
   Setup u{build ? build() : TinyGpt(mo), {}, nullptr, nullptr};
@@ -238,7 +244,7 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
     for (int micro = 0; micro < s.accumulation; ++micro) {
       auto guard = engine.accumulate(m);
       const int64_t first = step * per_step + (micro * s.world + engine.process_index()) * s.micro_batch;
-      at::Tensor batch = tokens.narrow(0, first, s.micro_batch);
+      at::Tensor batch = tokens.narrow(0, first, s.micro_batch).to(engine.device());
       at::Tensor loss;
       {
         auto ac = engine.autocast();
@@ -283,7 +289,9 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
 
 inline RunResult run_engine(const RunSpec& s, const std::string& name, const LossHook& hook = {}) {
   const std::string dir = temp_dir(name);
-  auto results = zeal::spawn([&](zeal::Runtime& rt) { train_rank(rt, s, dir, hook); }, s.world);
+  zeal::SpawnOptions so;
+  so.env = s.env;
+  auto results = zeal::spawn([&](zeal::Runtime& rt) { train_rank(rt, s, dir, hook); }, s.world, so);
   EXPECT_EQ(zeal::describe_failures(results), "");
   RunResult r;
   for (int rank = 0; rank < s.world; ++rank) {
@@ -301,15 +309,18 @@ inline RunResult run_engine(const RunSpec& s, const std::string& name, const Los
 }
 
 // The same training in one process: each step one forward over the whole global batch,
-// torch::nn::utils::clip_grad_norm_ and torch::optim::AdamW.
-inline RunResult run_reference(const RunSpec& s, int split = 1) {
+// torch::nn::utils::clip_grad_norm_ and torch::optim::AdamW, on s.device. On CUDA it runs in a
+// child process (the test process never initialises CUDA: tests/test_device.h).
+inline RunResult run_reference_here(const RunSpec& s, int split) {
   Setup u = make_setup(s);
   auto& model = u.model;
   auto& opt = *u.opt;
   auto& step_lr = *u.step_lr;
   auto& trainable = u.trainable;
+  const at::Device device(s.device == "cuda" ? at::kCUDA : at::kCPU);
+  model->to(device);  // the parameters move in place: the optimizer keeps them
   const int64_t per_step = s.micro_batch * s.world * s.accumulation;
-  at::Tensor tokens = make_tokens(per_step * s.steps);
+  at::Tensor tokens = make_tokens(per_step * s.steps).to(device);
   std::vector<double> losses, norms;
   for (int step = 0; step < s.steps; ++step) {
     opt.zero_grad();
@@ -330,6 +341,26 @@ inline RunResult run_reference(const RunSpec& s, int split = 1) {
   r.params.push_back(flat_params(*model));
   r.losses = at::tensor(losses, at::kDouble);
   r.norms = at::tensor(norms, at::kDouble);
+  return r;
+}
+
+inline RunResult run_reference(const RunSpec& s, int split = 1) {
+  if (s.device != "cuda") return run_reference_here(s, split);
+  const std::string dir = temp_dir("reference");
+  auto results = zeal::spawn(
+      [&](zeal::Runtime&) {
+        const RunResult r = run_reference_here(s, split);
+        write_tensor(dir + "/params", r.params[0]);
+        write_tensor(dir + "/losses", r.losses);
+        write_tensor(dir + "/norms", r.norms);
+      },
+      1);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+  RunResult r;
+  r.params.push_back(read_tensor(dir + "/params"));
+  r.losses = read_tensor(dir + "/losses");
+  r.norms = read_tensor(dir + "/norms");
+  std::filesystem::remove_all(dir);
   return r;
 }
 

@@ -61,13 +61,13 @@ std::vector<std::pair<double, double>> measure(int stage, int world, int64_t per
   const std::string dir = temp_dir("memory");
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
-        zeal::Config c = zeal::Config::defaults(false);
+        zeal::Config c = zeal_test::test_config();
         c.zero.stage = stage;
         c.zero.reduce_bucket_size = {100'000'000, false};
         c.zero.stage3_param_persistence_threshold = {persistence, false};
         zeal::Engine engine(c, rt);
         zeal::CpuMemoryCounter counter;
-        at::manual_seed(3);
+        zeal_test::seed(3);
         TinyGpt model(kModel);
         std::unique_ptr<torch::optim::Optimizer> opt;
         if (sgd) opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(1e-2).momentum(0.9));
@@ -170,7 +170,7 @@ int64_t resident_bytes() {
 TEST(Memory, FreedTensorsLeaveTheResidentSet) {
   auto results = zeal::spawn(
       [](zeal::Runtime& rt) {
-        zeal::Engine engine(zeal::Config::defaults(false), rt);
+        zeal::Engine engine(zeal_test::test_config(), rt);
         for (int64_t mib : {16, 8, 16, 4, 24, 16, 2, 16, 8, 16}) {
           at::Tensor t = at::ones({mib << 18});  // floats: mib MiB, every page touched
           const int64_t held = resident_bytes();

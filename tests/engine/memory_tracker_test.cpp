@@ -57,7 +57,7 @@ std::vector<int64_t> parse(const std::vector<std::string>& lines, const std::str
 }
 
 zeal::Config cpu_config(int stage) {
-  zeal::Config c = zeal::Config::defaults(false);
+  zeal::Config c = zeal_test::test_config();
   c.zero.stage = stage;
   c.zero.stage3_param_persistence_threshold = {0, false};  // every unit partitioned
   return c;
@@ -132,7 +132,7 @@ TEST(MemoryTracker, BreakdownAddsUpToTheMeasuredPeak) {
           const int64_t rss_before_engine = vm_rss();
           zeal::Engine engine(cpu_config(stage), rt);
           const int64_t rss_after_engine = vm_rss();
-          at::manual_seed(1);
+          zeal_test::seed(1);
           TinyGpt model(TinyGptOptions{101, 48, 2, 3, 8, 96});
           torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
           auto [m, o] = engine.prepare(model, opt);

@@ -16,6 +16,8 @@
 #include "engine/optim/optimizer.h"
 #include "engine/zero/shard_step.h"
 #include "tests/optim_error_bound.h"
+#include "tests/engine/fused_segments.h"
+#include "tests/test_device.h"
 
 namespace zeal::optim {
 namespace {
@@ -39,7 +41,7 @@ struct AgainstExact {
 AgainstExact run_both(Optimizer& ours, torch::optim::Optimizer& theirs, torch::Tensor& p_theirs, int64_t n,
                       const std::function<double(int64_t, int, double)>& advance,
                       const std::function<double(int64_t)>& exact, const std::function<double(int64_t)>& bound) {
-  torch::manual_seed(7);
+  zeal_test::seed(7);
   at::Tensor p_ours = p_theirs.detach().clone();
   for (int step = 0; step < 10; ++step) {
     at::Tensor g = torch::randn({n}) * (step + 1);
@@ -147,7 +149,7 @@ TEST(Optimizer, FusedAdamMatchesTorchOptimAndTheReference) {
     EXPECT_LE(r.ours, 1.0) << (decoupled ? "AdamW" : "Adam");
     EXPECT_LE(r.theirs, 1.0) << (decoupled ? "AdamW" : "Adam");
     fused = decoupled ? make_fused_adamw(h) : make_fused_adam(h);
-    torch::manual_seed(7);
+    zeal_test::seed(7);
     for (int step = 0; step < 10; ++step) {
       at::Tensor g = torch::randn({n}) * (step + 1);
       fused->step(p_fused, g);
@@ -181,7 +183,7 @@ TEST(Optimizer, FusedSegmentsWithScaleAndCopyMatchTheReference) {
   ASSERT_TRUE(fused->fused());
   EXPECT_FALSE(ref->fused());
   EXPECT_THROW(ref->fused_step(torch::zeros({n}), {}, 1.0), Error);
-  torch::manual_seed(3);
+  zeal_test::seed(3);
   at::Tensor p_fused = torch::randn({n}), p_ref = p_fused.clone();
   AdamRun x(p_fused, {1e-2, 0.9, 0.95, 1e-8, 0.1, true});
   at::Tensor copy = torch::empty({n}, torch::kBFloat16);
@@ -211,6 +213,12 @@ TEST(Optimizer, FusedSegmentsWithScaleAndCopyMatchTheReference) {
   }
   EXPECT_TRUE(torch::equal(copy, p_fused.to(torch::kBFloat16)));
   EXPECT_EQ(fused->steps(), 5);
+}
+
+// Segments carrying their own m and v (NVMe windows) step as the optimizer's own state does (the
+// GPU's half of this check is in cuda_engine_test).
+TEST(Optimizer, FusedSegmentsWithTheirOwnStateStepAsTheOptimizersOwn) {
+  zeal_test::expect_segment_state_matches_own_state(at::kCPU);
 }
 
 // State allocated ahead (as the engine does) changes nothing: same steps as created lazily.
@@ -270,7 +278,7 @@ TEST(Optimizer, FromConfigAndErrors) {
 // with a pending loss scale and a deferred clip factor; and equal to the host statistics.
 TEST(ShardStepStatistics, OnTheDeviceMatchFloat64) {
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    at::manual_seed(7);
+    zeal_test::seed(7);
     const std::vector<int64_t> sizes{1000, 1, 4097, 33};
     std::vector<zeal::zero::ShardStep::Piece> pieces;
     int64_t offset = 0;

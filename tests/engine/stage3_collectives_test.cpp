@@ -68,11 +68,11 @@ Outcome run_two(bool debug, double timeout, Body body) {
   const auto t0 = std::chrono::steady_clock::now();
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
-        zeal::Config c = zeal::Config::defaults(false);
+        zeal::Config c = zeal_test::test_config();
         c.zero.stage = 3;
         c.zero.stage3_param_persistence_threshold = {0, false};
         zeal::Engine engine(c, rt);
-        at::manual_seed(1);
+        zeal_test::seed(1);
         Chain model;
         torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
         auto [m, o] = engine.prepare(model, opt);
@@ -178,7 +178,7 @@ TEST(Stage3Divergence, ConfigTimeoutAppliesUnderSpawn) {
   const auto t0 = std::chrono::steady_clock::now();
   auto results = zeal::spawn(
       [](zeal::Runtime& rt) {
-        zeal::Config c = zeal::Config::defaults(false);
+        zeal::Config c = zeal_test::test_config();
         c.set("comm_timeout", "3", {zeal::Origin::Kind::kFlag, "--comm_timeout"});
         zeal::Engine engine(c, rt);
         if (engine.process_index() == 0) engine.wait_for_everyone();  // rank 1 never comes
@@ -223,7 +223,7 @@ TEST(Stage3Divergence, EveryUnitPersistentIsSaidOnce) {
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
         if (rt.rank() == 0) (void)!std::freopen((dir + "/stderr").c_str(), "w", stderr);
-        zeal::Config c = zeal::Config::defaults(false);
+        zeal::Config c = zeal_test::test_config();
         c.zero.stage = 3;
         c.zero.stage3_param_persistence_threshold = {1'000'000, false};
         zeal::Engine engine(c, rt);

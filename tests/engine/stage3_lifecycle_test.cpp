@@ -150,7 +150,7 @@ TORCH_MODULE(FrozenInputNet);
 
 template <class Model>
 at::Tensor initial_params(const TokenRun& r) {
-  at::manual_seed(r.seed);
+  zeal_test::seed(r.seed);
   Model m;
   return flat_params(*m);
 }
@@ -174,7 +174,7 @@ void check_against_references(const TokenRun& r, const std::string& what) {
   // Trained, not untouched; frozen parameters unchanged.
   const at::Tensor init = initial_params<Model>(r);
   EXPECT_GT(token_rel_diff<Model>(init, ref.params), 100 * tol.params);
-  at::manual_seed(r.seed);
+  zeal_test::seed(r.seed);
   Model shape;
   int64_t off = 0;
   for (const auto& item : shape->named_parameters()) {
@@ -395,7 +395,7 @@ TEST(Stage3Lifecycle, NoGradPassesPrefetchAlongTheirOwnOrder) {
           r.stage = stage;
           r.max_live = 1'000'000'000;
           zeal::Engine engine(token_config(r), rt);
-          at::manual_seed(r.seed);
+          zeal_test::seed(r.seed);
           PeftNet model;
           auto opt = token_optimizer(*model, r);
           auto [m, o] = engine.prepare(model, *opt);
@@ -428,7 +428,7 @@ TEST(Stage3Lifecycle, FullGradIsTheSameInEveryStage) {
           TokenRun r = released(TokenRun{});
           r.stage = stage;
           zeal::Engine engine(token_config(r), rt);
-          at::manual_seed(r.seed);
+          zeal_test::seed(r.seed);
           PeftNet model;
           auto opt = token_optimizer(*model, r);
           auto [m, o] = engine.prepare(model, *opt);

@@ -99,7 +99,7 @@ double rel_all(const at::Tensor& a, const at::Tensor& b) {
 }
 
 zeal::Config config(int stage, int64_t max_live = 1'000'000'000, int64_t prefetch = 50'000'000) {
-  zeal::Config c = zeal::Config::defaults(false);
+  zeal::Config c = zeal_test::test_config();
   c.zero.stage = stage;
   c.zero.stage3_param_persistence_threshold = {0, false};
   c.zero.stage3_prefetch_bucket_size = {prefetch, false};
@@ -118,7 +118,7 @@ at::Tensor train_tokens(int world, int stage, const std::string& name) {
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
         zeal::Engine engine(config(stage), rt);
-        at::manual_seed(5);
+        zeal_test::seed(5);
         Model model;
         std::vector<at::Tensor> trainable;
         for (auto& p : model->parameters()) {
@@ -155,7 +155,7 @@ at::Tensor train_flip(int world, int stage, int64_t max_live, const std::string&
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
         zeal::Engine engine(config(stage, max_live), rt);
-        at::manual_seed(3);
+        zeal_test::seed(3);
         Flip model;
         torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
         auto [m, o] = engine.prepare(model, opt);
@@ -211,7 +211,7 @@ ReferenceTrainer flip_trainer(int world) {
     at::Tensor x, y;
   };
   auto st = std::make_shared<State>();
-  at::manual_seed(3);
+  zeal_test::seed(3);
   st->model = Flip();
   st->params = st->model->parameters();
   st->opt = std::make_unique<torch::optim::AdamW>(st->params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
@@ -295,7 +295,7 @@ TEST(Stage3, FrozenBaseWeightsAndTiedEmbeddingMatchStageZero) {
   std::map<int, at::Tensor> final_params;
   at::Tensor initial;
   for (int stage : {0, 3}) final_params[stage] = train_tokens<LoraNet>(world, stage, "lora" + std::to_string(stage));
-  at::manual_seed(5);
+  zeal_test::seed(5);
   LoraNet init;
   initial = flat_params(*init);
   std::printf("[ metric ] LoRA + tied, stage 3 vs stage 0: %.3g\n", rel_all(final_params[3], final_params[0]));
@@ -323,7 +323,7 @@ TEST(Stage3, GatheredModificationReachesEveryRank) {
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
         zeal::Engine engine(config(3), rt);
-        at::manual_seed(3);
+        zeal_test::seed(3);
         Flip model;
         torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.0));  // lr 0: values stay
         auto [m, o] = engine.prepare(model, opt);
@@ -390,7 +390,7 @@ TEST(Stage3, InitBuildsPartitionedWithOneProcessValues) {
         zeal::Config c = config(3);
         c.zero.zero3_init_flag = true;
         zeal::Engine engine(c, rt);
-        at::manual_seed(engine.process_index() == 0 ? 11 : 100 + engine.process_index());
+        zeal_test::seed(engine.process_index() == 0 ? 11 : 100 + engine.process_index());
         TinyGpt model = engine.init<TinyGpt>(opts);
         double held = 0;  // parameter storage this rank holds between init and prepare
         for (auto& p : model->parameters()) held += static_cast<double>(p.storage().nbytes());
@@ -407,7 +407,7 @@ TEST(Stage3, InitBuildsPartitionedWithOneProcessValues) {
       },
       world);
   ASSERT_EQ(zeal::describe_failures(results), "");
-  at::manual_seed(11);
+  zeal_test::seed(11);
   TinyGpt ref(opts);
   const at::Tensor want = flat_params(*ref);
   int64_t whole = 0, block = 0, slices = 0;
@@ -490,7 +490,7 @@ TEST(Stage3, ReuseDistanceKeepsUnitsGathered) {
           zeal::Config c = config(3);
           c.zero.stage3_max_reuse_distance = reuse;
           zeal::Engine engine(c, rt);
-          at::manual_seed(4);
+          zeal_test::seed(4);
           Chain model;
           torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
           auto [m, o] = engine.prepare(model, opt);

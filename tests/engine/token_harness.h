@@ -88,7 +88,7 @@ inline std::unique_ptr<torch::optim::AdamW> token_optimizer(torch::nn::Module& m
 }
 
 inline zeal::Config token_config(const TokenRun& r) {
-  zeal::Config c = zeal::Config::defaults(false);
+  zeal::Config c = zeal_test::test_config();
   c.zero.stage = r.stage;
   c.gradient_accumulation_steps = {r.accumulation, false};
   c.gradient_clipping = {r.clip, false};
@@ -126,7 +126,7 @@ TokenResult run_tokens(const TokenRun& r, const std::string& name, const TokenHo
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
         zeal::Engine engine(token_config(r), rt);
-        at::manual_seed(r.seed);
+        zeal_test::seed(r.seed);
         Model model;
         auto opt = token_optimizer(*model, r);
         auto [m, o] = engine.prepare(model, *opt);
@@ -181,7 +181,7 @@ TokenResult run_tokens(const TokenRun& r, const std::string& name, const TokenHo
 // torch::nn::utils::clip_grad_norm_ and torch::optim::AdamW.
 template <class Model>
 ReferenceCurves token_reference(const TokenRun& r) {
-  at::manual_seed(r.seed);
+  zeal_test::seed(r.seed);
   Model model;
   auto opt = token_optimizer(*model, r);
   const auto params = unique_trainable(*model);
@@ -210,7 +210,7 @@ ReferenceTrainer token_trainer(const TokenRun& r, bool fused) {
     at::Tensor table;
   };
   auto st = std::make_shared<State>();
-  at::manual_seed(r.seed);
+  zeal_test::seed(r.seed);
   st->model = Model();
   st->params = unique_trainable(*st->model);
   st->opt = token_optimizer(*st->model, r);

@@ -1,7 +1,11 @@
 // The CUDA multi-tensor kernels against the CPU scalar kernel (Adam: bit for bit, the same
 // expression with the same roundings) and against float64 (sum of squares, unscale). Many
-// tensors of awkward sizes, so launches split between tensors and inside one. Skips without a GPU.
+// tensors of awkward sizes, so launches split between tensors and inside one, and tensors that start
+// 1 to 3 elements past an aligned address (segments of a flat buffer), so both the vector path and
+// the one-element path run. Skips without a GPU (tests/test_device.h).
 #include <gtest/gtest.h>
+
+#include "tests/test_device.h"
 
 #include <cmath>
 #include <cstring>
@@ -23,16 +27,19 @@ namespace {
 #ifdef ZEAL_HAVE_CUDA
 using zeal::cpu::DType;
 
+// A device copy of `host`, starting `skew` elements past the allocation's (aligned) start.
 template <class T>
 struct Device {
+  T* base = nullptr;
   T* p = nullptr;
   size_t n = 0;
-  explicit Device(const std::vector<T>& host) : n(host.size()) {
-    EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(T)), cudaSuccess);
+  explicit Device(const std::vector<T>& host, size_t skew = 0) : n(host.size()) {
+    EXPECT_EQ(cudaMalloc(&base, std::max<size_t>(1, n + skew) * sizeof(T)), cudaSuccess);
+    p = base + skew;
     EXPECT_EQ(cudaMemcpy(p, host.data(), n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
   }
   Device(const Device&) = delete;
-  ~Device() { cudaFree(p); }
+  ~Device() { cudaFree(base); }
   std::vector<T> get() const {
     std::vector<T> out(n);
     EXPECT_EQ(cudaMemcpy(out.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
@@ -40,16 +47,21 @@ struct Device {
   }
 };
 
-// Sizes that cross the 64 Ki-element chunks, the 24-tensor and the 320-block batch limits.
-std::vector<int64_t> test_sizes() {
+// Sizes that cross the 64 Ki-element chunks and a launch's tensor limit (24 or 110); `big` adds one
+// tensor of more chunks than a launch takes (320 or 2048), split between two launches.
+std::vector<int64_t> test_sizes(bool big) {
   std::vector<int64_t> s = {1, 7, 255, 65536, 65537, 1000003};
-  for (int i = 0; i < 30; ++i) s.push_back(97 * i + 3);
-  s.push_back(320 * 65536 + 5);  // one tensor split between two launches
+  for (int i = 0; i < 120; ++i) s.push_back(97 * i + 3);
+  if (big) s.push_back(2048 * 65536 + 5);
   return s;
 }
 
+// Tensor t's offset from an aligned address, in elements: most aligned (the vector path), every
+// third one skewed by 1 to 3 (the one-element path); all of a tensor's buffers alike.
+size_t skew_of(size_t t) { return t % 3 == 2 ? 1 + t % 4 % 3 : 0; }
+
 struct Host {
-  std::vector<float> master, m, v, g32;
+  std::vector<float> master, m, v, g32, copy32;
   std::vector<uint16_t> g16, copy;
 };
 
@@ -58,6 +70,7 @@ Host make(int64_t n, uint32_t seed, DType grad) {
   std::normal_distribution<float> d(0.0f, 1.0f);
   Host h;
   h.master.resize(n), h.m.resize(n), h.v.resize(n), h.g32.resize(n), h.g16.resize(n), h.copy.assign(n, 0);
+  h.copy32.assign(n, 0.0f);
   for (int64_t i = 0; i < n; ++i) {
     h.master[i] = d(rng), h.m[i] = 1e-2f * d(rng), h.v[i] = 1e-4f * std::fabs(d(rng));
     h.g32[i] = 1024.0f * d(rng);
@@ -69,60 +82,73 @@ Host make(int64_t n, uint32_t seed, DType grad) {
 
 }  // namespace
 
+// Every gradient type, Adam and AdamW, and every kind of compute copy (bf16, fp16, fp32, none).
 TEST(CudaAdam, MultiTensorMatchesTheCpuKernelBitForBit) {
-#ifndef ZEAL_HAVE_CUDA
-  GTEST_SKIP() << "built without CUDA (no nvcc, or -DZEAL_CUDA=OFF)";
-#else
-  if (!zeal::cuda::device_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  ZEAL_NEED_CUDA();
+#ifdef ZEAL_HAVE_CUDA
   zeal::cpu::AdamHyper hyper;
   hyper.lr = 3e-3, hyper.beta1 = 0.9, hyper.beta2 = 0.95, hyper.weight_decay = 0.1, hyper.step = 3;
   hyper.grad_scale = 1.0f / 1024.0f;
-  for (DType grad : {DType::kFp32, DType::kBf16, DType::kFp16}) {
-    for (bool decoupled : {true, false}) {
-      hyper.decoupled = decoupled;
-      const auto sizes = test_sizes();
-      std::vector<Host> host;
-      std::vector<std::unique_ptr<Device<float>>> dev_f;
-      std::vector<std::unique_ptr<Device<uint16_t>>> dev_h;
-      std::vector<zeal::cuda::AdamTensor> tensors;
-      for (size_t t = 0; t < sizes.size(); ++t) {
-        host.push_back(make(sizes[t], static_cast<uint32_t>(t), grad));
-        Host& h = host.back();
-        for (auto* v : {&h.master, &h.m, &h.v, &h.g32}) dev_f.push_back(std::make_unique<Device<float>>(*v));
-        for (auto* v : {&h.g16, &h.copy}) dev_h.push_back(std::make_unique<Device<uint16_t>>(*v));
-        const size_t f = dev_f.size() - 4, q = dev_h.size() - 2;
-        tensors.push_back({dev_f[f]->p, dev_f[f + 1]->p, dev_f[f + 2]->p,
-                           grad == DType::kFp32 ? static_cast<const void*>(dev_f[f + 3]->p) : dev_h[q]->p,
-                           dev_h[q + 1]->p, sizes[t]});
-      }
-      zeal::cuda::multi_tensor_adam(hyper, tensors, grad, DType::kBf16, nullptr);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      for (size_t t = 0; t < sizes.size(); ++t) {
-        Host& h = host[t];
-        zeal::cpu::AdamPartition p;
-        p.master = h.master.data(), p.m = h.m.data(), p.v = h.v.data(), p.n = sizes[t];
-        p.grad = grad == DType::kFp32 ? static_cast<const void*>(h.g32.data()) : h.g16.data();
-        p.grad_type = grad, p.copy = h.copy.data(), p.copy_type = DType::kBf16;
-        zeal::cpu::adam_step(hyper, p, zeal::cpu::Simd::kScalar);
-        const size_t f = 4 * t, q = 2 * t;
-        SCOPED_TRACE(testing::Message() << "tensor " << t << " of " << sizes[t] << ", grad " << static_cast<int>(grad)
-                                        << ", decoupled " << decoupled);
-        ASSERT_EQ(0, std::memcmp(dev_f[f]->get().data(), h.master.data(), sizes[t] * 4));
-        ASSERT_EQ(0, std::memcmp(dev_f[f + 1]->get().data(), h.m.data(), sizes[t] * 4));
-        ASSERT_EQ(0, std::memcmp(dev_f[f + 2]->get().data(), h.v.data(), sizes[t] * 4));
-        ASSERT_EQ(0, std::memcmp(dev_h[q + 1]->get().data(), h.copy.data(), sizes[t] * 2));
-      }
+  struct Case {
+    DType grad;
+    bool decoupled;
+    int copy;  // -1: none; else a DType
+    bool big;
+  };
+  const int kNone = -1, kBf16 = static_cast<int>(DType::kBf16), kFp16 = static_cast<int>(DType::kFp16),
+            kFp32 = static_cast<int>(DType::kFp32);
+  for (const Case c : {Case{DType::kFp32, true, kBf16, true}, Case{DType::kFp32, false, kFp16, false},
+                       Case{DType::kBf16, true, kBf16, false}, Case{DType::kBf16, false, kNone, false},
+                       Case{DType::kFp16, true, kFp16, false}, Case{DType::kFp16, false, kFp32, false}}) {
+    const DType grad = c.grad;
+    const DType copy_type = c.copy == kNone ? DType::kBf16 : static_cast<DType>(c.copy);
+    hyper.decoupled = c.decoupled;
+    const auto sizes = test_sizes(c.big);
+    std::vector<Host> host;
+    std::vector<std::unique_ptr<Device<float>>> dev_f;
+    std::vector<std::unique_ptr<Device<uint16_t>>> dev_h;
+    std::vector<zeal::cuda::AdamTensor> tensors;
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      host.push_back(make(sizes[t], static_cast<uint32_t>(t), grad));
+      Host& h = host.back();
+      for (auto* v : {&h.master, &h.m, &h.v, &h.g32, &h.copy32})
+        dev_f.push_back(std::make_unique<Device<float>>(*v, skew_of(t)));
+      for (auto* v : {&h.g16, &h.copy}) dev_h.push_back(std::make_unique<Device<uint16_t>>(*v, skew_of(t)));
+      const size_t f = dev_f.size() - 5, q = dev_h.size() - 2;
+      void* copy = c.copy == kNone ? nullptr
+                   : c.copy == kFp32 ? static_cast<void*>(dev_f[f + 4]->p)
+                                     : static_cast<void*>(dev_h[q + 1]->p);
+      tensors.push_back({dev_f[f]->p, dev_f[f + 1]->p, dev_f[f + 2]->p,
+                         grad == DType::kFp32 ? static_cast<const void*>(dev_f[f + 3]->p) : dev_h[q]->p, copy,
+                         sizes[t]});
+    }
+    zeal::cuda::multi_tensor_adam(hyper, tensors, grad, copy_type, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      Host& h = host[t];
+      zeal::cpu::AdamPartition p;
+      p.master = h.master.data(), p.m = h.m.data(), p.v = h.v.data(), p.n = sizes[t];
+      p.grad = grad == DType::kFp32 ? static_cast<const void*>(h.g32.data()) : h.g16.data();
+      p.grad_type = grad, p.copy_type = copy_type;
+      p.copy = c.copy == kNone ? nullptr : c.copy == kFp32 ? static_cast<void*>(h.copy32.data()) : h.copy.data();
+      zeal::cpu::adam_step(hyper, p, zeal::cpu::Simd::kScalar);
+      const size_t f = 5 * t, q = 2 * t;
+      SCOPED_TRACE(testing::Message() << "tensor " << t << " of " << sizes[t] << " (skew " << skew_of(t) << "), grad "
+                                      << static_cast<int>(grad) << ", decoupled " << c.decoupled << ", copy " << c.copy);
+      ASSERT_EQ(0, std::memcmp(dev_f[f]->get().data(), h.master.data(), sizes[t] * 4));
+      ASSERT_EQ(0, std::memcmp(dev_f[f + 1]->get().data(), h.m.data(), sizes[t] * 4));
+      ASSERT_EQ(0, std::memcmp(dev_f[f + 2]->get().data(), h.v.data(), sizes[t] * 4));
+      ASSERT_EQ(0, std::memcmp(dev_f[f + 4]->get().data(), h.copy32.data(), sizes[t] * 4));
+      ASSERT_EQ(0, std::memcmp(dev_h[q + 1]->get().data(), h.copy.data(), sizes[t] * 2));
     }
   }
 #endif
 }
 
 TEST(CudaAdam, SumOfSquaresMatchesFloat64AndSeesInfAndNan) {
-#ifndef ZEAL_HAVE_CUDA
-  GTEST_SKIP() << "built without CUDA (no nvcc, or -DZEAL_CUDA=OFF)";
-#else
-  if (!zeal::cuda::device_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
-  const auto sizes = test_sizes();
+  ZEAL_NEED_CUDA();
+#ifdef ZEAL_HAVE_CUDA
+  const auto sizes = test_sizes(false);
   std::vector<std::vector<float>> host;
   std::vector<std::unique_ptr<Device<float>>> dev;
   std::vector<const void*> ptrs;
@@ -156,10 +182,8 @@ TEST(CudaAdam, SumOfSquaresMatchesFloat64AndSeesInfAndNan) {
 }
 
 TEST(CudaAdam, MultiTensorUnscaleMatchesFloat64) {
-#ifndef ZEAL_HAVE_CUDA
-  GTEST_SKIP() << "built without CUDA (no nvcc, or -DZEAL_CUDA=OFF)";
-#else
-  if (!zeal::cuda::device_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  ZEAL_NEED_CUDA();
+#ifdef ZEAL_HAVE_CUDA
   const std::vector<int64_t> sizes = {3, 65537, 100, 1000};
   std::vector<std::vector<float>> host;
   std::vector<std::unique_ptr<Device<float>>> dev;

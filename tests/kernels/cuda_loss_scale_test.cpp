@@ -1,6 +1,8 @@
 // The CUDA unscale-and-check kernel against a float64 reference computed here. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include "tests/test_device.h"
+
 #include <cmath>
 #include <limits>
 #include <random>
@@ -40,10 +42,8 @@ std::pair<std::vector<float>, int> run(const std::vector<float>& host, float inv
 }  // namespace
 
 TEST(CudaLossScale, UnscaleMatchesFloat64AndFindsInfAndNanAnywhere) {
-#ifndef ZEAL_HAVE_CUDA
-  GTEST_SKIP() << "built without CUDA (no nvcc, or -DZEAL_CUDA=OFF)";
-#else
-  if (!zeal::cuda::device_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  ZEAL_NEED_CUDA();
+#ifdef ZEAL_HAVE_CUDA
   std::mt19937 rng(1234);
   std::normal_distribution<float> dist(0.0f, 1000.0f);
   for (size_t n : {1u, 255u, 1000003u}) {

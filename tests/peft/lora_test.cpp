@@ -25,6 +25,7 @@
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
 #include "examples/models/bert.h"
+#include "tests/test_device.h"
 
 namespace fs = std::filesystem;
 using zeal::models::BertConfig;
@@ -91,7 +92,7 @@ void require(bool ok, const std::string& what) {
 }
 
 zeal::Config config_for(int stage, bool init = false) {
-  zeal::Config c = zeal::Config::defaults(false);
+  zeal::Config c = zeal_test::test_config();
   c.zero.stage = stage;
   c.gradient_clipping = {0.0, false};
   c.zero.reduce_bucket_size = {300, false};  // several buckets even for these tiny adapters
@@ -126,7 +127,7 @@ void train_lora(int stage, int world, const std::string& dir, bool init, int ste
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
         zeal::Engine engine(config_for(stage, init), rt);
-        at::manual_seed(5);
+        zeal_test::seed(5);
         auto model = init ? engine.init<BertForSequenceClassification>(tiny_bert(), labels)
                           : BertForSequenceClassification(tiny_bert(), labels);
         auto peft = zeal::peft::get_peft_model(model, lora_config());
@@ -156,7 +157,7 @@ void train_lora(int stage, int world, const std::string& dir, bool init, int ste
 TEST(Lora, ForwardInterpositionIsInEffect) { EXPECT_TRUE(zeal::peft::forward_interposed()); }
 
 TEST(Lora, AdaptedForwardEqualsFloat64BasePlusScaledBA) {
-  at::manual_seed(1);
+  zeal_test::seed(1);
   auto root = std::make_shared<torch::nn::Module>();
   torch::nn::Linear lin(torch::nn::LinearOptions(5, 7));
   torch::nn::Linear other(torch::nn::LinearOptions(5, 7));
@@ -205,7 +206,7 @@ TEST(Lora, AdaptedForwardEqualsFloat64BasePlusScaledBA) {
 }
 
 TEST(Lora, DropoutActsOnTheAdapterPathOnlyInTraining) {
-  at::manual_seed(2);
+  zeal_test::seed(2);
   auto root = std::make_shared<torch::nn::Module>();
   torch::nn::Linear lin(torch::nn::LinearOptions(8, 8));
   root->register_module("q", lin);
@@ -395,7 +396,7 @@ TEST(Lora, OperandOrderAndRootLayersDoNotMatterUnderStage3) {
     auto results = zeal::spawn(
         [&](zeal::Runtime& rt) {
           zeal::Engine engine(config_for(stage), rt);
-          at::manual_seed(3);
+          zeal_test::seed(3);
           PairNet net;
           zeal::peft::LoraConfig lc;
           lc.r = 2;
@@ -427,7 +428,7 @@ TEST(Lora, OperandOrderAndRootLayersDoNotMatterUnderStage3) {
 
 TEST(Lora, SavedAdapterLoadsBackIntoAFreshModel) {
   const std::string dir = temp_dir("reload");
-  at::manual_seed(8);
+  zeal_test::seed(8);
   auto m = BertForSequenceClassification(tiny_bert(), 3);
   auto peft = zeal::peft::get_peft_model(m, lora_config());
   const at::Tensor ids = at::randint(1, 50, {2, 7});
@@ -437,13 +438,13 @@ TEST(Lora, SavedAdapterLoadsBackIntoAFreshModel) {
   EXPECT_EQ(cfg.r, 4);
   EXPECT_EQ(cfg.modules_to_save, std::vector<std::string>{"classifier"});
   // Another model with the same base (seed) but other adapters: loading gives the same output.
-  at::manual_seed(8);
+  zeal_test::seed(8);
   auto m2 = BertForSequenceClassification(tiny_bert(), 3);
-  at::manual_seed(100);
+  zeal_test::seed(100);
   auto peft2 = zeal::peft::from_pretrained(m2.ptr(), dir);
   EXPECT_TRUE(at::allclose(m2->forward(ids), out, 0, 1e-6));
   // A mismatching adapter (other targets) is refused and changes nothing.
-  at::manual_seed(8);
+  zeal_test::seed(8);
   auto m3 = BertForSequenceClassification(tiny_bert(), 3);
   auto lc = lora_config();
   lc.target_modules = {"query"};
@@ -474,7 +475,7 @@ TEST(Pretrained, Stage3InitReadsOnlyEachRanksShareOfTheFile) {
   c.hidden_size = 64;
   c.intermediate_size = 256;
   c.num_hidden_layers = 4;
-  at::manual_seed(21);
+  zeal_test::seed(21);
   zeal::models::BertModel base(c);
   {
     auto root = base.ptr();
@@ -524,7 +525,7 @@ TEST(Pretrained, Stage3InitReadsOnlyEachRanksShareOfTheFile) {
 TEST(Pretrained, HuggingFaceNamesAPrefixAndStage3SlicesLoad) {
   const std::string dir = temp_dir("pretrained");
   // A BertModel's weights under its own names (no "bert." prefix, as a BertModel checkpoint is).
-  at::manual_seed(11);
+  zeal_test::seed(11);
   zeal::models::BertModel base(tiny_bert());
   {
     zeal::peft::PeftModel none;  // save_merged of the plain model: its Hugging Face names
@@ -541,7 +542,7 @@ TEST(Pretrained, HuggingFaceNamesAPrefixAndStage3SlicesLoad) {
     auto results = zeal::spawn(
         [&](zeal::Runtime& rt) {
           zeal::Engine engine(config_for(stage, init), rt);
-          at::manual_seed(12);
+          zeal_test::seed(12);
           auto clf = init ? engine.init<BertForSequenceClassification>(tiny_bert(), 3) : BertForSequenceClassification(tiny_bert(), 3);
           auto load = [&] {
             const auto report = zeal::load_pretrained(clf, dir + "/base", {.quiet = true});

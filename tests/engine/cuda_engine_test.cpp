@@ -1,0 +1,223 @@
+// The engine on a GPU (ctest label "cuda"): every stage and precision at one rank over NCCL against
+// one LibTorch process on the same GPU; two ranks sharing the GPU through the Gloo-staged
+// communicator, with the optimizer offloaded to pinned host memory; a save and a resume; the
+// layouts the engine refuses, named; the NCCL collectives; zeal::spawn after CUDA was initialised.
+// Without a GPU every test skips (tests/test_device.h), unless ZEAL_TEST_REQUIRE_CUDA=1
+// (scripts/gpu-check) makes that a failure.
+//
+// The tolerances are this machine's own (rounding.h): the summation-order and optimizer spread of
+// the run modelled in float64 on the CPU, plus how far two runs of the LibTorch reference on the GPU
+// itself differ (its kernels may add in varying order), never a fixed constant.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "engine/comm/selfcheck.h"
+#include "tests/engine/engine_harness.h"
+#include "tests/engine/fused_segments.h"
+#include "tests/engine/phase_harness.h"
+
+namespace zeal_test {
+namespace {
+
+RunSpec on_gpu(int stage, const std::string& precision = "no") {
+  RunSpec s;
+  s.device = "cuda";
+  s.world = 1;
+  s.stage = stage;
+  s.precision = precision;
+  s.step_lr = true;
+  return s;
+}
+
+// The reference on the GPU, and how much two runs of it differ.
+struct GpuReference {
+  RunResult run;
+  double spread = 0;  // rel_diff between two runs of the reference
+};
+
+GpuReference gpu_reference(RunSpec s) {
+  s.precision = "no";
+  GpuReference r{run_reference(s), 0};
+  r.spread = rel_diff(run_reference(s).params[0], r.run.params[0]);
+  return r;
+}
+
+struct Case {
+  int stage;
+  std::string precision;
+};
+void PrintTo(const Case& c, std::ostream* os) { *os << "stage " << c.stage << ", " << c.precision; }
+
+class CudaStages : public ::testing::TestWithParam<Case> {};
+
+// fp32: within the modelled tolerance of LibTorch on the GPU. bf16 and fp16: within twice the bf16
+// bound of the fp32 reference (fp16's 11-bit significand rounds less than bf16's 8 bits, so the bf16
+// bound holds it too), the loss falling, and not bit-identical to fp32 (the precision was used).
+TEST_P(CudaStages, MatchOneLibTorchProcessOnTheGpu) {
+  ZEAL_NEED_CUDA();
+  const Case c = GetParam();
+  RunSpec s = on_gpu(c.stage, c.precision);
+  const RunResult got = run_engine(s, fmt::format("cuda_stage{}_{}", c.stage, c.precision));
+  const GpuReference ref = gpu_reference(s);
+  RunSpec cpu = s;
+  cpu.device = "cpu";
+  cpu.precision = "no";
+  const double err = rel_diff(got.params[0], ref.run.params[0]);
+  const double losses = curve_diff(got.losses, ref.run.losses);
+  if (c.precision == "no") {
+    const Spread tol = tolerances(cpu).zeal_vs_libtorch();
+    const double bound = tol.params + 2 * ref.spread;
+    std::printf("[ metric ] GPU stage %d fp32 vs LibTorch on the GPU: parameters %.3g (tolerance %.3g, of which the "
+                "GPU's own run-to-run spread %.3g), losses %.3g\n",
+                c.stage, err, bound, ref.spread, losses);
+    EXPECT_LE(err, bound);
+    EXPECT_LE(losses, tol.losses + 2 * ref.spread);
+  } else {
+    const Spread tol = bf16_spread(cpu);
+    const double bound = 2 * tol.params + 2 * ref.spread;
+    std::printf("[ metric ] GPU stage %d %s vs fp32 LibTorch on the GPU: parameters %.3g (tolerance %.3g), losses %.3g "
+                "(tolerance %.3g)\n",
+                c.stage, c.precision.c_str(), err, bound, losses, 2 * tol.losses);
+    EXPECT_LE(err, bound);
+    EXPECT_LE(losses, 2 * tol.losses + 2 * ref.spread);
+    EXPECT_GT(err, 0.0) << c.precision << " should not train to fp32's bits: was it used?";
+  }
+  EXPECT_LT(got.losses[s.steps - 1].item<double>(), got.losses[0].item<double>());
+  // The parameters moved: the comparison is not between two untouched models.
+  zeal_test::seed(s.seed);
+  TinyGpt init(model_options());
+  EXPECT_GT(rel_diff(flat_params(*init), ref.run.params[0]), 100 * std::max(err, 1e-7));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaStages,
+                         ::testing::Values(Case{0, "no"}, Case{1, "no"}, Case{2, "no"}, Case{3, "no"}, Case{0, "bf16"},
+                                           Case{1, "bf16"}, Case{2, "bf16"}, Case{3, "bf16"}, Case{0, "fp16"},
+                                           Case{1, "fp16"}, Case{2, "fp16"}, Case{3, "fp16"}),
+                         [](const auto& info) { return fmt::format("stage{}_{}", info.param.stage, info.param.precision); });
+
+// Two ranks on the one GPU through the Gloo communicator (CUDA tensors staged through pinned host
+// memory): stage 2 with the optimizer in pinned host memory, stage 3 with units gathered on the GPU.
+TEST(CudaEngine, TwoRanksShareTheGpuThroughGloo) {
+  ZEAL_NEED_CUDA();
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    RunSpec s = on_gpu(stage);
+    s.world = 2;
+    s.accumulation = 2;
+    s.env["ZEAL_COMM_BACKEND"] = "gloo";
+    if (stage == 2) s.offload = true;  // offload_optimizer.device cpu, pinned
+    const RunResult got = run_engine(s, fmt::format("cuda_gloo_stage{}", stage));
+    ASSERT_EQ(got.params.size(), 2u);
+    EXPECT_TRUE(at::equal(got.params[1], got.params[0]));
+    if (stage == 2) EXPECT_GT(got.memory[0][9].item<double>(), 0) << "no host memory held by the offloaded state";
+    const GpuReference ref = gpu_reference(s);
+    RunSpec cpu = s;
+    cpu.device = "cpu";
+    const double bound = tolerances(cpu).zeal_vs_libtorch().params + 2 * ref.spread;
+    const double err = rel_diff(got.params[0], ref.run.params[0]);
+    std::printf("[ metric ] GPU, 2 ranks through Gloo, stage %d: parameters %.3g (tolerance %.3g)\n", stage, err, bound);
+    EXPECT_LE(err, bound);
+  }
+}
+
+// Three steps, a save, a new process group that loads it and three more steps: the same bits as six
+// steps in one run, on the GPU (stage 3 at one rank over NCCL; stage 2 on two ranks through Gloo).
+TEST(CudaEngine, SaveAndResumeGiveTheSameBits) {
+  ZEAL_NEED_CUDA();
+  for (int world : {1, 2}) {
+    RunSpec s = on_gpu(world == 1 ? 3 : 2);
+    s.world = world;
+    if (world == 2) s.env["ZEAL_COMM_BACKEND"] = "gloo";
+    const std::string ckpt = temp_dir(fmt::format("cuda_ckpt{}", world));
+    const auto whole = run_phase({s, 0, kPhaseSteps, "", ""}, "cuda_whole");
+    (void)run_phase({s, 0, kPhaseSteps / 2, "", ckpt}, "cuda_first");
+    ASSERT_TRUE(std::filesystem::exists(std::filesystem::path(ckpt) / "manifest.json"));
+    const auto resumed = run_phase({s, kPhaseSteps / 2, kPhaseSteps, ckpt, ""}, "cuda_resumed");
+    for (int r = 0; r < world; ++r) EXPECT_TRUE(at::equal(whole[r], resumed[r])) << "world " << world << " rank " << r;
+    std::filesystem::remove_all(ckpt);
+  }
+}
+
+// What the engine refuses on a GPU, named: two NCCL ranks on one GPU, parameters offloaded to the
+// CPU, a gpu_ids entry that is no GPU.
+TEST(CudaEngine, RefusedLayoutsAreNamed) {
+  ZEAL_NEED_CUDA();
+  {
+    RunSpec s = on_gpu(2);
+    s.world = zeal_test::cuda_devices() + 1;  // more ranks than GPUs, over NCCL
+    // The first collective makes the NCCL communicator: with CUDA_VISIBLE_DEVICES=0 given to every
+    // rank the choice accepts one GPU per process, and the communicator names the shared GPU.
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Engine engine(make_config(s), rt);
+          engine.wait_for_everyone();
+        },
+        s.world);
+    const std::string failures = zeal::describe_failures(results);
+    EXPECT_NE(failures.find("NCCL needs one GPU per rank"), std::string::npos) << failures;
+    EXPECT_NE(failures.find("ZEAL_COMM_BACKEND=gloo"), std::string::npos) << failures;
+  }
+  RunSpec s = on_gpu(3);
+  s.offload = true;  // offload_param.device cpu at stage 3
+  std::string msg = error_on_one_rank("cuda_param_cpu", [&](zeal::Runtime& rt) { zeal::Engine engine(make_config(s), rt); });
+  EXPECT_NE(msg.find("offload_param.device: cpu with a GPU"), std::string::npos) << msg;
+  msg = error_on_one_rank("cuda_gpu_ids", [&](zeal::Runtime& rt) {
+    zeal::Config c = make_config(on_gpu(0));
+    c.launch.gpu_ids = "99";
+    zeal::Engine engine(c, rt);
+  });
+  EXPECT_NE(msg.find("gpu_ids lists GPU 99"), std::string::npos) << msg;
+}
+
+// The NCCL backend on CUDA tensors: one rank per GPU, as many ranks as GPUs (at most 4); every
+// collective, dtype and uneven size against values each rank computes itself.
+TEST(NcclCollectives, EveryOpDtypeAndUnevenSizeMatchesLocalValues) {
+  ZEAL_NEED_CUDA();
+  const int gpus = std::min(4, zeal_test::cuda_devices());
+  auto results = zeal::spawn(
+      [](zeal::Runtime& rt) {
+        EXPECT_EQ(rt.cuda_comm().backend(), "nccl");
+        const auto checks = zeal::run_collective_checks(rt.cuda_comm(), /*cuda=*/true);
+        std::string failed;
+        for (const auto& c : checks) {
+          if (!c.passed) failed += c.name + " " + c.detail + "\n";
+        }
+        if (!failed.empty()) throw zeal::Error(failed);
+      },
+      gpus);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+}
+
+// The fused Adam on a GPU: segments carrying their own m and v (NVMe windows, offloaded state) step
+// as the optimizer's own state does. Runs in a child: the test process keeps CUDA uninitialised.
+TEST(CudaOptimizer, FusedSegmentsWithTheirOwnStateStepAsTheOptimizersOwn) {
+  ZEAL_NEED_CUDA();
+  const std::string dir = temp_dir("cuda_segments");
+  auto results = zeal::spawn(
+      [&](zeal::Runtime&) {
+        expect_segment_state_matches_own_state(at::Device(at::kCUDA, 0));
+        if (::testing::Test::HasFailure()) throw zeal::Error("the GPU's segments differ (see above)");
+      },
+      1);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+}
+
+// A process that initialised CUDA cannot fork ranks that use it: zeal::spawn says so instead of
+// letting every rank fail with CUDA's bare "initialization error".
+TEST(CudaSpawn, RefusesAfterTheParentInitialisedCuda) {
+  ZEAL_NEED_CUDA();
+  EXPECT_FALSE(zeal::cuda_initialized_in_this_process());
+  at::manual_seed(1);  // counts the GPUs: initialises the driver
+  ASSERT_TRUE(zeal::cuda_initialized_in_this_process());
+  try {
+    (void)zeal::spawn([](zeal::Runtime&) {}, 1);
+    FAIL() << "spawn forked ranks from a process that initialised CUDA";
+  } catch (const zeal::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CUDA is already initialised in this process"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace zeal_test
