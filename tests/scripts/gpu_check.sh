@@ -42,7 +42,8 @@ assert all(st[s] == "dry" for s in ("build", "kernels", "nccl", "engine", "bench
 PY
 # The packages were found under the build folder, not in this machine's /usr.
 grep -q "^ZEAL_URING_LIBRARY:FILEPATH=$b/deps-root/" "$b/tree/CMakeCache.txt" || fail "liburing not from the carried packages"
-tar -tzf "$o1/logs.tar.gz" | grep -q 'logs/configure.log' || fail "the configure log is not in logs.tar.gz"
+listing=$(tar -tzf "$o1/logs.tar.gz")
+grep -q 'logs/configure.log' <<<"$listing" || fail "the configure log is not in logs.tar.gz"
 
 # Again: the steps that passed are not run again; the probe is (it describes this call's machine).
 expect 0 "configure: passed before" -- "$check" --dry-run --build-dir "$b" --out "$work/out2"
