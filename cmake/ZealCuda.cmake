@@ -37,11 +37,22 @@ if(ZEAL_CUDA)
         list(APPEND _nccl_hints "${_up}")
       endforeach()
     endif()
-    list(APPEND _nccl_hints ${CUDAToolkit_LIBRARY_ROOT} ${CUDAToolkit_TARGET_DIR})
-    find_path(ZEAL_NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES include)
-    # pip's wheels ship libnccl.so.2 without the unversioned link.
-    find_library(ZEAL_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_nccl_hints} ${CUDAToolkit_LIBRARY_DIR}
-                 PATH_SUFFIXES lib lib64)
+    # torch's copy alone first (header and library from the same NCCL), then the toolkit's and the
+    # system's; pip's wheels ship libnccl.so.2 without the unversioned link.
+    if(_nccl_hints)
+      find_path(ZEAL_NCCL_INCLUDE_DIR nccl.h PATHS ${_nccl_hints} PATH_SUFFIXES include NO_DEFAULT_PATH)
+      find_library(ZEAL_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR PATHS ${_nccl_hints}
+                   PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
+    endif()
+    find_path(ZEAL_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${CUDAToolkit_TARGET_DIR}
+              PATH_SUFFIXES include)
+    find_library(ZEAL_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR
+                 HINTS ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_TARGET_DIR} PATH_SUFFIXES lib lib64)
+    set(_nccl_version "")
+    if(ZEAL_NCCL_INCLUDE_DIR)
+      file(STRINGS "${ZEAL_NCCL_INCLUDE_DIR}/nccl.h" _v REGEX "#define NCCL_(MAJOR|MINOR|PATCH) ")
+      string(REGEX REPLACE ".*MAJOR ([0-9]+).*MINOR ([0-9]+).*PATCH ([0-9]+).*" "\\1.\\2.\\3" _nccl_version "${_v}")
+    endif()
     if(ZEAL_NCCL_INCLUDE_DIR AND ZEAL_NCCL_LIBRARY)
       set(ZEAL_HAVE_NCCL ON)
     else()
@@ -52,7 +63,7 @@ if(ZEAL_CUDA)
                       "-DZEAL_NCCL_LIBRARY")
     endif()
     message(STATUS "CUDA ${CUDAToolkit_VERSION} (${CMAKE_CUDA_COMPILER}), architectures "
-                   "${CMAKE_CUDA_ARCHITECTURES}; NCCL: ${ZEAL_HAVE_NCCL} ${ZEAL_NCCL_LIBRARY}")
+                   "${CMAKE_CUDA_ARCHITECTURES}; NCCL: ${ZEAL_HAVE_NCCL} ${_nccl_version} ${ZEAL_NCCL_LIBRARY}")
   else()
     message(STATUS "nvcc not found: CUDA kernels are not compiled")
   endif()

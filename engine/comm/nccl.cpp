@@ -180,7 +180,8 @@ class NcclCommunicator final : public Communicator {
     at::Tensor target = s * world_ == output.numel() ? output : at::empty({s * world_}, output.options());
     uses(*op, shard);
     uses(*op, target);
-    settle(ncclAllGather(shard.data_ptr(), target.data_ptr(), s, nccl_type(output), comm_, stream_), "ncclAllGather");
+    settle(ncclAllGather(shard.data_ptr(), target.data_ptr(), s, nccl_type(output), comm_, stream_), "ncclAllGather",
+           *op);
     if (!target.is_same(output)) {
       uses(*op, output);
       cuda_check(cudaMemcpyAsync(output.data_ptr(), target.data_ptr(), output.nbytes(), cudaMemcpyDeviceToDevice, stream_),
@@ -207,8 +208,8 @@ class NcclCommunicator final : public Communicator {
                  "cudaMemcpyAsync");
     }
     settle(ncclReduceScatter(source.data_ptr(), shard.data_ptr(), s, nccl_type(input), nccl_op(op_kind), comm_,
-                                 stream_),
-               "ncclReduceScatter");
+                             stream_),
+           "ncclReduceScatter", *op);
     return finish(op);
   }
 
@@ -218,8 +219,8 @@ class NcclCommunicator final : public Communicator {
     auto op = start(fmt::format("all_reduce({})", to_string(op_kind)), tensor);
     uses(*op, tensor);
     settle(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), nccl_op(op_kind),
-                             comm_, stream_),
-               "ncclAllReduce");
+                         comm_, stream_),
+           "ncclAllReduce", *op);
     return finish(op);
   }
 
@@ -230,8 +231,8 @@ class NcclCommunicator final : public Communicator {
     auto op = start(fmt::format("broadcast(root {})", root), tensor);
     uses(*op, tensor);
     settle(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), root, comm_,
-                             stream_),
-               "ncclBroadcast");
+                         stream_),
+           "ncclBroadcast", *op);
     return finish(op);
   }
 
@@ -246,7 +247,7 @@ class NcclCommunicator final : public Communicator {
     op->blocking = true;
     uses(*op, barrier_buf_);
     settle(ncclAllReduce(barrier_buf_.data_ptr(), barrier_buf_.data_ptr(), 1, ncclFloat32, ncclSum, comm_, stream_),
-               "ncclAllReduce");
+           "ncclAllReduce", *op);
     return finish(op);
   }
 
@@ -279,7 +280,7 @@ class NcclCommunicator final : public Communicator {
     char host[256] = {0};
     gethostname(host, sizeof host - 1);
     const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-    const GpuOfRank mine{host, bus, device_, visible ? visible : "(unset)"};
+    const GpuOfRank mine{host, this_host_id(), bus, device_, visible ? visible : "(unset)"};
     auto s = store;
     const std::string key = prefix_ + "gpu/";
     run_bounded([s, k = key + std::to_string(rank_), v = to_bytes(mine.encode())] { s->set(k, v); }, timeout,
@@ -332,7 +333,12 @@ class NcclCommunicator final : public Communicator {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
       ncclResult_t state = ncclInProgress;
-      nccl_check(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
+      const ncclResult_t asked = ncclCommGetAsyncError(comm_, &state);
+      if (asked != ncclSuccess) {
+        ncclCommAbort(comm_);  // its bootstrap threads stop with it
+        comm_ = nullptr;
+        nccl_check(asked, "ncclCommGetAsyncError");
+      }
       if (state == ncclSuccess) return;
       if (state != ncclInProgress) {
         ncclCommAbort(comm_);
@@ -361,20 +367,47 @@ class NcclCommunicator final : public Communicator {
   }
 
   // A collective enqueued on the non-blocking communicator may still be in progress when its call
-  // returns (NCCL connects lazily); the next NCCL call must wait until it is not.
-  void settle(ncclResult_t r, const char* what) {
+  // returns (NCCL connects lazily); the next NCCL call must wait until it is not. A call that fails,
+  // or stays in progress past comm_timeout, aborts the communicator and is reported like a collective
+  // that timed out: the ranks that had not reached it are named. The caller holds issue_mu_.
+  void settle(ncclResult_t r, const char* what, const NcclOp& op) {
     if (r == ncclInProgress) {
       const auto deadline = std::chrono::steady_clock::now() + monitor_.timeout();
       do {
         if (std::chrono::steady_clock::now() > deadline) {
-          throw Error(fmt::format("{}: still in progress after {:g} s (comm_timeout)", what,
-                                  monitor_.timeout().count() / 1000.0));
+          fail_issuing(op.info, fmt::format("{} still in progress after {:g} s (comm_timeout)", what,
+                                            monitor_.timeout().count() / 1000.0));
         }
         std::this_thread::yield();
-        nccl_check(ncclCommGetAsyncError(comm_, &r), "ncclCommGetAsyncError");
+        if (ncclCommGetAsyncError(comm_, &r) != ncclSuccess) break;
       } while (r == ncclInProgress);
     }
-    nccl_check(r, what);
+    if (r != ncclSuccess) fail_issuing(op.info, fmt::format("{}: {}", what, ncclGetErrorString(r)));
+  }
+
+  // Aborts the communicator from a thread that holds issue_mu_ (the watchdog's lock order: issue_mu_,
+  // then mu_), keeps the report naming the ranks that had not reached `info` for every later call,
+  // and throws it.
+  [[noreturn]] void fail_issuing(const OpInfo& info, const std::string& cause) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!aborted_.load()) {
+        aborted_.store(true);
+        ncclCommAbort(comm_);
+      }
+    }
+    std::exception_ptr error;
+    try {
+      monitor_.fail(info, cause);  // asks the store which ranks had not reached it
+    } catch (...) {
+      error = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!failure_) failure_ = error;
+      drained_.notify_all();
+    }
+    std::rethrow_exception(error);
   }
 
   cudaStream_t current_stream() const {

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <sstream>
 #include <utility>
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include "engine/config/config.h"
 #include "engine/error.h"
@@ -73,13 +75,26 @@ DeviceChoice choose_cuda_device(int local_rank, int local_world_size, int device
   return choose_cuda_device(local_rank, local_world_size, device_count, b ? b : "", have_nccl, one_listed, gpu_ids);
 }
 
-std::string GpuOfRank::encode() const { return fmt::format("{}\n{}\n{}\n{}", host, bus_id, device, visible); }
+std::string this_host_id() {
+  if (const char* v = std::getenv("NCCL_HOSTID"); v && *v) return v;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (f && std::getline(f, id) && !id.empty()) return id;
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  return host;
+}
+
+std::string GpuOfRank::encode() const {
+  return fmt::format("{}\n{}\n{}\n{}\n{}", host, host_id, bus_id, device, visible);
+}
 
 GpuOfRank GpuOfRank::decode(const std::string& s) {
   std::stringstream in(s);
   GpuOfRank g;
   std::string device;
   std::getline(in, g.host);
+  std::getline(in, g.host_id);
   std::getline(in, g.bus_id);
   std::getline(in, device);
   std::getline(in, g.visible);
@@ -90,7 +105,7 @@ GpuOfRank GpuOfRank::decode(const std::string& s) {
 std::string describe_shared_gpu(const std::vector<GpuOfRank>& ranks) {
   std::map<std::pair<std::string, std::string>, int> first;
   for (size_t r = 0; r < ranks.size(); ++r) {
-    const auto [it, fresh] = first.emplace(std::pair{ranks[r].host, ranks[r].bus_id}, static_cast<int>(r));
+    const auto [it, fresh] = first.emplace(std::pair{ranks[r].host_id, ranks[r].bus_id}, static_cast<int>(r));
     if (fresh) continue;
     const GpuOfRank& a = ranks[static_cast<size_t>(it->second)];
     const GpuOfRank& b = ranks[r];

@@ -41,6 +41,7 @@ DeviceChoice choose_cuda_device(int local_rank, int local_world_size, int device
 // One rank's GPU as the NCCL communicator's check sees it.
 struct GpuOfRank {
   std::string host;     // gethostname
+  std::string host_id;  // what tells machines apart: NCCL_HOSTID, else the kernel's boot id
   std::string bus_id;   // the GPU's PCI bus id ("0000:1A:00.0")
   int device = 0;       // the CUDA device index in that rank's process
   std::string visible;  // its CUDA_VISIBLE_DEVICES, or "(unset)"
@@ -48,7 +49,11 @@ struct GpuOfRank {
   static GpuOfRank decode(const std::string& s);
 };
 
-// "" when no two ranks (vector index = rank) run on one GPU of one host; else an error message
+// This machine's host_id: $NCCL_HOSTID if set (as NCCL does), else /proc/sys/kernel/random/boot_id,
+// else the host name (two containers with one host name on different machines are told apart).
+std::string this_host_id();
+
+// "" when no two ranks (vector index = rank) run on one GPU of one machine; else an error message
 // naming the first two that do, the host, the GPU and each rank's CUDA_VISIBLE_DEVICES.
 std::string describe_shared_gpu(const std::vector<GpuOfRank>& ranks);
 

@@ -199,7 +199,8 @@ struct Runtime::Impl {
 };
 
 Runtime::Runtime(const Config& config)
-    : Runtime(note_settings(config), RuntimeOptions{config.launch.comm_timeout}) {}
+    : Runtime(note_settings(config), RuntimeOptions{.comm_timeout = config.launch.comm_timeout,
+                                                    .gpu_ids = config.launch.gpu_ids}) {}
 
 Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
@@ -333,7 +334,8 @@ Communicator& Runtime::cuda_comm(int device) {
 #endif
   if (device < 0) {
     const int count = at::detail::getCUDAHooks().hasCUDA() ? at::detail::getCUDAHooks().deviceCount() : 0;
-    const DeviceChoice choice = choose_cuda_device(local_rank(), local_world_size(), count, have_nccl);
+    const DeviceChoice choice =
+        choose_cuda_device(local_rank(), local_world_size(), count, have_nccl, impl_->options.gpu_ids);
     if (choice.backend != CudaBackend::kNccl) {
       throw Error("ZEAL_COMM_BACKEND=gloo: CUDA tensors go through the Gloo communicator (Runtime::comm())");
     }

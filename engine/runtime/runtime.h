@@ -23,6 +23,8 @@ struct RuntimeOptions {
   // Installs a terminate handler that prints an uncaught exception's message with the rank and
   // exits 1, instead of abort() with a core dump.
   bool report_uncaught = true;
+  // The GPUs cuda_comm() chooses from (the config's gpu_ids): "all" or a list like 0,1.
+  std::string gpu_ids = "all";
 };
 
 class Runtime {
@@ -45,7 +47,7 @@ class Runtime {
   // Collectives on CPU tensors (Gloo).
   Communicator& comm();
   // Collectives on CUDA tensors (NCCL) on GPU `device`; -1: the GPU choose_cuda_device gives this
-  // local rank (engine/runtime/device_choice.h). Created on the first call; a later call naming
+  // local rank from the options' gpu_ids (engine/runtime/device_choice.h). Created on the first call; a later call naming
   // another GPU is an error. Throws zeal::Error without NCCL or a GPU.
   Communicator& cuda_comm(int device = -1);
 

@@ -20,8 +20,9 @@ void check(cudaError_t e, const char* what) {
 // Work is cut into chunks of kChunk elements; one block per chunk. A launch carries the pointers
 // of up to kMaxTensors tensors and the (tensor, chunk) of up to kMaxBlocks blocks in its
 // parameters: CUDA 12.1 and later take up to 32 KiB of them (Volta and newer), so one launch covers
-// 2048 chunks (134 M elements); older toolkits keep under the 4 KiB every version accepts.
-constexpr int kChunk = 1 << 16;
+// 2048 chunks (67 M elements); older toolkits keep under the 4 KiB every version accepts. Chunks of
+// 32 Ki elements keep a launch's last wave of blocks a small part of it.
+constexpr int kChunk = 1 << 15;
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
 constexpr int kMaxTensors = 110;
 constexpr int kMaxBlocks = 2048;
@@ -36,26 +37,28 @@ template <int kPtrs>
 struct Batch {
   void* ptr[kPtrs][kMaxTensors];
   int64_t n[kMaxTensors];
-  unsigned char vec[kMaxTensors];  // every pointer of the tensor allows 4-element vector accesses
+  // Elements before the tensor's pointers all allow 4-element vector accesses (0 to 3), or
+  // kNoVector when they never do together.
+  unsigned char head[kMaxTensors];
   unsigned char tensor[kMaxBlocks];
   int chunk[kMaxBlocks];
   int blocks;
 };
 static_assert(kMaxTensors < 256, "Batch::tensor holds a tensor's slot in a byte");
+constexpr unsigned char kNoVector = 255;
 
 // Packs the tensors into batches and calls launch(batch, first_block) for each, where
-// first_block counts the blocks of earlier batches. vec[t]: whether tensor t's pointers are aligned
-// for vector accesses (all true when unset).
+// first_block counts the blocks of earlier batches. head[t]: Batch::head of tensor t (0 when unset).
 template <int kPtrs, class Launch>
 void for_each_batch(const std::vector<std::array<void*, kPtrs>>& ptrs, const std::vector<int64_t>& sizes,
-                    Launch&& launch, const std::vector<bool>& vec = {}) {
+                    Launch&& launch, const std::vector<unsigned char>& head = {}) {
   Batch<kPtrs> b{};
   int tensors = 0;
   int64_t first_block = 0;
   auto add_tensor = [&](size_t t) {
     for (int k = 0; k < kPtrs; ++k) b.ptr[k][tensors] = ptrs[t][k];
     b.n[tensors] = sizes[t];
-    b.vec[tensors] = vec.empty() || vec[t];
+    b.head[tensors] = head.empty() ? 0 : head[t];
     return tensors++;
   };
   auto flush = [&] {
@@ -134,10 +137,11 @@ __device__ __forceinline__ void adam_element(const cpu::detail::AdamConstants& c
 }
 
 // Each thread updates 4 consecutive elements a pass with 16-byte loads of master, m and v (8 bytes
-// of a 16-bit gradient or copy), where the tensor's pointers allow it; a chunk's last n mod 4
-// elements, and tensors that start unaligned (segments at any offset of a flat buffer), take the
-// one-element path. Memory traffic per element: 12 bytes read (master, m, v) + the gradient, 12
-// written + the copy: the kernel is bound by memory bandwidth, not arithmetic.
+// of a 16-bit gradient or copy). A tensor that starts 1 to 3 elements past an aligned address (a
+// segment at any offset of a flat buffer) has those first elements of each chunk and a chunk's last
+// n mod 4 take the one-element path; a tensor whose pointers are never aligned together takes it
+// throughout. Memory traffic per element: 12 bytes read (master, m, v) + the gradient, 12 written +
+// the copy: the kernel is bound by memory bandwidth, not arithmetic.
 template <DType G, Copy C>
 __global__ void __launch_bounds__(kAdamThreads) adam_kernel(const Batch<5> b, const cpu::detail::AdamConstants c) {
   const int t = b.tensor[blockIdx.x];
@@ -148,16 +152,21 @@ __global__ void __launch_bounds__(kAdamThreads) adam_kernel(const Batch<5> b, co
   float* __restrict__ v_ = static_cast<float*>(b.ptr[2][t]);
   const void* __restrict__ grad = b.ptr[3][t];
   void* __restrict__ copy = b.ptr[4][t];
-  int64_t tail = begin;
-  if (b.vec[t]) {
-    tail = begin + ((end - begin) & ~int64_t{3});
-    for (int64_t i = begin + 4 * static_cast<int64_t>(threadIdx.x); i < tail; i += 4 * kAdamThreads) {
+  int64_t first = begin, tail = begin;  // the vector path covers [first, tail)
+  if (b.head[t] != kNoVector) {
+    // Chunks start at multiples of 4 elements, so every chunk's first aligned element is `head` in.
+    first = min(end, begin + b.head[t]);
+    tail = first + ((end - first) & ~int64_t{3});
+    for (int64_t i = begin + threadIdx.x; i < first; i += kAdamThreads) {
+      adam_element<G, C>(c, master, m_, v_, grad, copy, i);
+    }
+    for (int64_t i = first + 4 * static_cast<int64_t>(threadIdx.x); i < tail; i += 4 * kAdamThreads) {
       const float4 p4 = *reinterpret_cast<const float4*>(master + i);
       const float4 m4 = *reinterpret_cast<const float4*>(m_ + i);
       const float4 v4 = *reinterpret_cast<const float4*>(v_ + i);
       float g[4];
       if constexpr (G == DType::kFp32) {
-        const float4 g4 = __ldcs(reinterpret_cast<const float4*>(grad) + i / 4);
+        const float4 g4 = __ldcs(reinterpret_cast<const float4*>(static_cast<const float*>(grad) + i));
         g[0] = g4.x, g[1] = g4.y, g[2] = g4.z, g[3] = g4.w;
       } else {
         const uint2 h = __ldcs(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(grad) + i));
@@ -182,7 +191,9 @@ __global__ void __launch_bounds__(kAdamThreads) adam_kernel(const Batch<5> b, co
       }
     }
   }
-  for (int64_t i = tail + threadIdx.x; i < end; i += kAdamThreads) adam_element<G, C>(c, master, m_, v_, grad, copy, i);
+  for (int64_t i = tail + threadIdx.x; i < end; i += kAdamThreads) {
+    adam_element<G, C>(c, master, m_, v_, grad, copy, i);
+  }
 }
 
 template <DType G, Copy C>
@@ -201,6 +212,18 @@ void launch_adam(Copy copy, const Batch<5>& b, const cpu::detail::AdamConstants&
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
+
+// Batch::head of a tensor: the elements before master, m, v, the gradient and the copy are all
+// aligned for 4-element accesses (16 bytes of fp32, 8 of a 16-bit type), or kNoVector.
+unsigned char head_of(const AdamTensor& t, size_t grad_elem, size_t copy_elem) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(t.master);
+  if (a % 4 != 0) return kNoVector;
+  const size_t h = ((16 - a % 16) % 16) / 4;
+  auto at = [h](const void* p, size_t elem) { return static_cast<const char*>(p) + h * elem; };
+  const bool ok = aligned(at(t.m, 4), 16) && aligned(at(t.v, 4), 16) && aligned(at(t.grad, grad_elem), 4 * grad_elem) &&
+                  (!t.copy || aligned(at(t.copy, copy_elem), 4 * copy_elem));
+  return ok ? static_cast<unsigned char>(h) : kNoVector;
+}
 
 __global__ void sumsq_kernel(Batch<1> b, DType type, double* partials) {
   const int t = b.tensor[blockIdx.x];
@@ -254,17 +277,16 @@ __global__ void unscale_kernel(Batch<1> b, float inv_scale, int* found_inf) {
 void multi_tensor_adam(const AdamHyper& h, const std::vector<AdamTensor>& tensors, DType grad_type,
                        DType copy_type, void* stream) {
   const cpu::detail::AdamConstants c = cpu::detail::adam_constants(h);
-  const uintptr_t grad_bytes = grad_type == DType::kFp32 ? 16 : 8;
-  const uintptr_t copy_bytes = copy_type == DType::kFp32 ? 16 : 8;
+  const size_t grad_elem = grad_type == DType::kFp32 ? 4 : 2;
+  const size_t copy_elem = copy_type == DType::kFp32 ? 4 : 2;
   std::vector<std::array<void*, 5>> ptrs;
   std::vector<int64_t> sizes;
-  std::vector<bool> vec;
+  std::vector<unsigned char> head;
   bool any_copy = false;
   for (const AdamTensor& t : tensors) {
     ptrs.push_back({t.master, t.m, t.v, const_cast<void*>(t.grad), t.copy});
     sizes.push_back(t.n);
-    vec.push_back(aligned(t.master, 16) && aligned(t.m, 16) && aligned(t.v, 16) && aligned(t.grad, grad_bytes) &&
-                  (!t.copy || aligned(t.copy, copy_bytes)));
+    head.push_back(head_of(t, grad_elem, copy_elem));
     any_copy = any_copy || t.copy;
   }
   for (const AdamTensor& t : tensors) {
@@ -285,7 +307,7 @@ void multi_tensor_adam(const AdamHyper& h, const std::vector<AdamTensor>& tensor
         }
         check(cudaGetLastError(), "multi_tensor_adam launch");
       },
-      vec);
+      head);
 }
 
 int64_t sumsq_workspace(const std::vector<int64_t>& sizes) {

@@ -121,12 +121,15 @@ TEST(DeviceChoice, GpuIdsThatAreNoListAreRefusedWithTheKey) {
   }
 }
 
-// Two ranks on one host that see the same GPU (CUDA_VISIBLE_DEVICES=0 exported to both) are named
-// with the GPU and both values; the same bus id on two hosts, or two GPUs of one host, are fine.
+// Two ranks on one machine that see the same GPU (CUDA_VISIBLE_DEVICES=0 exported to both) are named
+// with the GPU and both values; the same bus id on two machines (even under one host name), or two
+// GPUs of one machine, are fine.
 TEST(DeviceChoice, TwoRanksOnOneGpuAreNamed) {
-  const GpuOfRank a{"node-a", "0000:1A:00.0", 0, "0"}, b{"node-a", "0000:1B:00.0", 1, "(unset)"},
-      c{"node-b", "0000:1A:00.0", 0, "0"}, d{"node-a", "0000:1A:00.0", 0, "0"};
+  const GpuOfRank a{"node-a", "boot-a", "0000:1A:00.0", 0, "0"}, b{"node-a", "boot-a", "0000:1B:00.0", 1, "(unset)"},
+      c{"node-b", "boot-b", "0000:1A:00.0", 0, "0"}, d{"node-a", "boot-a", "0000:1A:00.0", 0, "0"},
+      twin{"node-a", "boot-c", "0000:1A:00.0", 0, "0"};  // a container on another machine named alike
   EXPECT_EQ(describe_shared_gpu({a, b, c}), "");
+  EXPECT_EQ(describe_shared_gpu({a, b, c, twin}), "");
   const std::string m = describe_shared_gpu({a, b, c, d});
   EXPECT_NE(m.find("ranks 0 and 3 both run on GPU 0000:1A:00.0 of node-a"), std::string::npos) << m;
   EXPECT_NE(m.find("CUDA_VISIBLE_DEVICES=0 in rank 0"), std::string::npos) << m;
@@ -134,6 +137,7 @@ TEST(DeviceChoice, TwoRanksOnOneGpuAreNamed) {
   EXPECT_NE(m.find("ZEAL_COMM_BACKEND=gloo"), std::string::npos) << m;
   const GpuOfRank back = GpuOfRank::decode(b.encode());
   EXPECT_EQ(back.host, b.host);
+  EXPECT_EQ(back.host_id, b.host_id);
   EXPECT_EQ(back.bus_id, b.bus_id);
   EXPECT_EQ(back.device, b.device);
   EXPECT_EQ(back.visible, b.visible);
