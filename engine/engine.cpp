@@ -34,6 +34,7 @@
 #include "engine/zero/init.h"
 #include "engine/zero/offload_state.h"
 #include "engine/zero/stage3.h"
+#include "engine/zero/unit_checkpointing.h"
 #include "engine/zero/zero_optimizer.h"
 #include "offload/host_arena.h"
 #include "offload/swap_dir.h"
@@ -259,6 +260,7 @@ void Engine::prepare_module(std::shared_ptr<torch::nn::Module> module) {
   if (state_->module && state_->module != module) throw Error("engine.prepare: one engine trains one model");
   if (state_->zero) throw Error("engine.prepare: the model was already prepared with its optimizer");
   remember_prepared(module.get(), this);
+  zero::apply_activation_checkpointing(*module, config_.activation_checkpointing, device_, runtime_->rank() == 0);
   const auto& shards = state_->init_shards;
   if (shards && !shards->empty()) {
     // Built partitioned: the slices reach the device when stage 3 takes them.

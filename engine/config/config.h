@@ -88,6 +88,17 @@ struct AioConfig {
   bool operator==(const AioConfig&) const = default;
 };
 
+// DeepSpeed's activation_checkpointing section (its presence turns checkpointing on, as
+// Accelerate's fsdp_activation_checkpointing: true does): every zeal::Sharded unit, or every
+// unit_interval-th, checkpoints its activations (engine/activation_checkpoint.h).
+struct ActivationCheckpointingConfig {
+  bool enabled = false;
+  int64_t unit_interval = 1;             // zeal: checkpoint units 0, k, 2k, … (k = 1: every unit)
+  bool cpu_checkpointing = false;        // the kept inputs in pinned host memory (GPU ranks)
+  bool synchronize_checkpoint_boundary = false;  // wait for the device at each checkpoint's boundaries
+  bool operator==(const ActivationCheckpointingConfig&) const = default;
+};
+
 struct Fp16Config {
   Auto<bool> enabled{false};
   double loss_scale = 0.0;  // 0: dynamic loss scaling
@@ -167,6 +178,7 @@ struct Config {
   std::string mixed_precision = "no";  // no, fp16, bf16 (kept consistent with fp16/bf16.enabled)
   ZeroConfig zero;
   AioConfig aio;
+  ActivationCheckpointingConfig activation_checkpointing;
   Fp16Config fp16;
   Auto<bool> bf16_enabled{false};
   Auto<int64_t> train_batch_size{0};                 // 0: not set

@@ -342,6 +342,11 @@ class Loader {
         error(location(file, v), path, "expected a mapping of keys, got " + cd::scalar_text(v));
         return;
       }
+      // DeepSpeed's section on its own turns checkpointing on (its keys only tune it); an explicit
+      // enabled: false inside it still wins.
+      if (path == "activation_checkpointing") {
+        assign("activation_checkpointing.enabled", YAML::Node("true"), file_origin(file, k), path);
+      }
       check_duplicates(v, file, path);
       for (const auto& kv : v) walk_entry(path, kv.first.Scalar(), kv.first, kv.second, file);
       return;
@@ -499,16 +504,17 @@ class Loader {
         if (!expect({"FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"})) continue;
         if (upper(value) == "FULL_STATE_DICT")
           assign("zero_optimization.stage3_gather_16bit_weights_on_model_save", YAML::Node("true"), o, shown);
+      } else if (key == "fsdp_activation_checkpointing") {
+        assign("activation_checkpointing.enabled", v, o, shown);
       } else if (key == "fsdp_cpu_ram_efficient_loading") {
         assign("zero_optimization.zero3_init_flag", v, o, shown);
       } else if (key == "fsdp_forward_prefetch" || key == "fsdp_sync_module_states" ||
-                 key == "fsdp_use_orig_params" || key == "fsdp_activation_checkpointing" ||
-                 key == "fsdp_min_num_params" || key == "fsdp_version" || key == "fsdp_reshard_after_forward") {
+                 key == "fsdp_use_orig_params" || key == "fsdp_min_num_params" || key == "fsdp_version" ||
+                 key == "fsdp_reshard_after_forward") {
         static const std::map<std::string, std::string> why = {
             {"fsdp_forward_prefetch", "zeal always prefetches the next unit along the recorded order"},
             {"fsdp_sync_module_states", "ranks seed identically, so initial states always agree"},
             {"fsdp_use_orig_params", "parameters are always views of the flat buffer (orig params)"},
-            {"fsdp_activation_checkpointing", "recorded; activation checkpointing is the model's choice"},
             {"fsdp_min_num_params", "applies to size-based wrapping only"},
             {"fsdp_version", "zeal has one implementation"},
             {"fsdp_reshard_after_forward", "stage 3 releases units after forward; stage 2 keeps them"}};
@@ -717,6 +723,8 @@ const std::vector<OverrideFlag>& override_flags() {
         {"train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu", "", "batch per rank"},
         {"use_cpu", "use_cpu", "", "train on the CPU"},
         {"comm_timeout", "comm_timeout", "", "collective timeout in seconds"},
+        {"activation_checkpointing", "activation_checkpointing.enabled", "",
+         "checkpoint the activations of Sharded units (true/false)"},
     };
     for (auto& f : v) f.env = "ZEAL_" + upper(f.flag);
     return v;

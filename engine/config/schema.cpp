@@ -374,6 +374,18 @@ std::vector<Field> make_fields() {
   f.push_back(bool_field("aio.overlap_events", ZEAL_GET(aio.overlap_events), "Overlap submission and completion"));
   f.push_back(bool_field("aio.verify", ZEAL_GET(aio.verify),
                          "CRC32C per block of swap files, checked on every read (zeal)"));
+  // Activation checkpointing.
+  f.push_back(bool_field("activation_checkpointing.enabled", ZEAL_GET(activation_checkpointing.enabled),
+                         "Checkpoint the activations of zeal::Sharded units (on when a DeepSpeed config has the "
+                         "section, or fsdp_activation_checkpointing: true)"));
+  f.push_back(int_field("activation_checkpointing.unit_interval", ZEAL_GET(activation_checkpointing.unit_interval), 1,
+                        kMaxInt, "Checkpoint every k-th Sharded unit (units 0, k, 2k, …; 1: every unit) (zeal)"));
+  f.push_back(bool_field("activation_checkpointing.cpu_checkpointing",
+                         ZEAL_GET(activation_checkpointing.cpu_checkpointing),
+                         "Keep the checkpoints' inputs in pinned host memory (GPU ranks)"));
+  f.push_back(bool_field("activation_checkpointing.synchronize_checkpoint_boundary",
+                         ZEAL_GET(activation_checkpointing.synchronize_checkpoint_boundary),
+                         "Wait for the device at every checkpoint's boundaries (GPU ranks)"));
   // Precision.
   f.push_back(auto_bool("fp16.enabled", ZEAL_GET(fp16.enabled), "fp16 compute with dynamic loss scaling"));
   f.push_back(float_field("fp16.loss_scale", ZEAL_GET(fp16.loss_scale), kNonNegative,
@@ -457,7 +469,12 @@ std::map<std::string, std::string> make_not_applicable() {
       {"csv_monitor", "a logger"},
       {"comet", "a logger"},
       {"comms_logger", "a logger of collectives; use ZEAL_DEBUG_COLLECTIVES"},
-      {"activation_checkpointing", "recomputes activations to save memory; the values are the same"},
+      {"activation_checkpointing.partition_activations",
+       "splits checkpoints among model-parallel ranks; zeal has no model parallelism, each rank keeps its own"},
+      {"activation_checkpointing.contiguous_memory_optimization",
+       "copies checkpoints into one preallocated buffer against fragmentation; where they live, not their values"},
+      {"activation_checkpointing.number_checkpoints", "sizes that buffer (contiguous_memory_optimization)"},
+      {"activation_checkpointing.profile", "DeepSpeed's timing printout of checkpointed forwards"},
       {"dump_state", "prints DeepSpeed's state at start"},
       {"checkpoint", "DeepSpeed's checkpoint options (tag validation, loading of universal checkpoints)"},
       {"elasticity", "elastic batch sizes (an enabled section is refused: it would change the batch)"},

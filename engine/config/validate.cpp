@@ -67,6 +67,7 @@ std::string Origin::describe() const {
 
 bool Config::operator==(const Config& o) const {
   return launch == o.launch && mixed_precision == o.mixed_precision && zero == o.zero && aio == o.aio &&
+         activation_checkpointing == o.activation_checkpointing &&
          fp16 == o.fp16 && bf16_enabled == o.bf16_enabled && train_batch_size == o.train_batch_size &&
          train_micro_batch_size_per_gpu == o.train_micro_batch_size_per_gpu &&
          gradient_accumulation_steps == o.gradient_accumulation_steps &&

@@ -8,6 +8,8 @@
 
 #include "engine/error.h"
 
+#include <vector>
+
 namespace zeal::zero {
 namespace {
 
@@ -36,8 +38,26 @@ std::shared_ptr<void> on_grad_ready(const at::Tensor& param, const std::string& 
 struct EndOfBackward::State {
   std::function<void()> end, abandoned;
   bool pending = false;
-  int task = -1;  // the graph task that queued the callback
+  int task = -1;  // the graph task that queued the callback (or will: a deferred request)
 };
+
+namespace {
+
+// The pass that owns this thread's backward passes while a NestedBackward lives (-1: none), and
+// the requests made inside nested passes, queued on that pass when the outermost scope closes.
+thread_local int t_outer_task = -1;
+thread_local std::vector<std::weak_ptr<EndOfBackward::State>> t_deferred;
+
+void queue_end(const std::weak_ptr<EndOfBackward::State>& weak) {
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    auto st = weak.lock();
+    if (!st || !st->pending) return;
+    st->pending = false;
+    st->end();
+  });
+}
+
+}  // namespace
 
 EndOfBackward::EndOfBackward(std::function<void()> end, std::function<void()> abandoned)
     : state_(std::make_shared<State>()) {
@@ -49,8 +69,10 @@ EndOfBackward::~EndOfBackward() = default;
 
 void EndOfBackward::request() {
   State& s = *state_;
-  const int task = torch::autograd::get_current_graph_task_id();
-  ZEAL_CHECK(task >= 0) << "EndOfBackward::request outside a backward pass";
+  const int current = torch::autograd::get_current_graph_task_id();
+  ZEAL_CHECK(current >= 0) << "EndOfBackward::request outside a backward pass";
+  const bool nested = t_outer_task >= 0;
+  const int task = nested ? t_outer_task : current;
   if (s.pending && s.task == task) return;
   if (s.pending) {
     // An earlier pass requested the callback and never ran it: it ended with an error.
@@ -59,13 +81,27 @@ void EndOfBackward::request() {
   }
   s.pending = true;
   s.task = task;
-  std::weak_ptr<State> weak = state_;
-  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-    auto st = weak.lock();
-    if (!st || !st->pending) return;
-    st->pending = false;
-    st->end();
-  });
+  if (nested) {
+    t_deferred.push_back(state_);  // queued on the outer pass once the nested one is over
+  } else {
+    queue_end(state_);
+  }
+}
+
+NestedBackward::NestedBackward() : outer_task_(torch::autograd::get_current_graph_task_id()), previous_outer_(t_outer_task) {
+  ZEAL_CHECK(outer_task_ >= 0) << "NestedBackward outside a backward pass";
+  if (t_outer_task < 0) t_outer_task = outer_task_;
+}
+
+NestedBackward::~NestedBackward() {
+  t_outer_task = previous_outer_;
+  if (t_outer_task >= 0) return;  // an enclosing scope queues them
+  // Back in the outer pass (the thread's current graph task again): its end runs them.
+  auto deferred = std::move(t_deferred);
+  t_deferred.clear();
+  for (const auto& weak : deferred) {
+    if (auto st = weak.lock(); st && st->pending) queue_end(weak);
+  }
 }
 
 void EndOfBackward::check() {

@@ -23,6 +23,9 @@ std::shared_ptr<void> on_grad_ready(const at::Tensor& param, const std::string& 
 // pass, as often as convenient). A pass that ended with an error never runs its callback: the next
 // request() from another pass, or check() outside any pass, notices and runs `abandoned` first.
 // The queued callback holds the owner weakly: it does nothing once this object is gone.
+// A backward run from inside another's node (an activation checkpoint's recomputation, under a
+// NestedBackward) belongs to the outer pass: its requests are queued on the outer pass when the
+// nested one returns, never at the nested pass's own end.
 class EndOfBackward {
  public:
   EndOfBackward(std::function<void()> end, std::function<void()> abandoned);
@@ -36,9 +39,25 @@ class EndOfBackward {
   // Whether a pass requested the callback and it has not run yet.
   bool pending() const;
 
+  struct State;  // grad_hook.cpp's
+
  private:
-  struct State;
   std::shared_ptr<State> state_;
+};
+
+// While it lives, the backward passes started on this thread are part of the pass running now
+// (the thread's current graph task, which must exist): zeal::checkpoint's backward holds one around
+// its recomputation's backward. Nests.
+class NestedBackward {
+ public:
+  NestedBackward();
+  ~NestedBackward();
+  NestedBackward(const NestedBackward&) = delete;
+  NestedBackward& operator=(const NestedBackward&) = delete;
+
+ private:
+  int outer_task_;
+  int previous_outer_;
 };
 
 }  // namespace zeal::zero

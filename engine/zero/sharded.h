@@ -17,10 +17,19 @@
 // backward has produced all of them. The block's forward may take any arguments and return a tensor,
 // a std::tuple (a hidden state and a cache, say) or a std::vector of tensors. Under engine.init<M>()
 // each Sharded member is partitioned as soon as its block is built.
+//
+// Activation checkpointing (engine/activation_checkpoint.h): a unit set to checkpoint
+// (set_activation_checkpointing, or the config's activation_checkpointing section, which the engine
+// applies to every unit or every unit_interval-th at prepare) keeps only its tensor arguments from
+// the forward and runs the block's forward again in its backward, at every stage; in stage 3 the
+// unit is gathered for its backward anyway, so the recomputation needs no second gather. The
+// block's other arguments are kept by value for the recomputation.
 #pragma once
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
+
+#include "engine/activation_checkpoint.h"
 
 #include <array>
 #include <memory>
@@ -47,6 +56,16 @@ class ShardedBase : public torch::nn::Module {
   // The wrapped block.
   virtual std::shared_ptr<torch::nn::Module> block() const = 0;
 
+  // Activation checkpointing of this unit (see above). A unit that holds other Sharded members
+  // cannot checkpoint (its recomputation would run their lifecycles inside the backward): the
+  // engine refuses it at prepare; checkpoint the inner ones.
+  void set_activation_checkpointing(bool on, CheckpointOptions options = {}) {
+    checkpointing_ = on;
+    checkpoint_options_ = options;
+  }
+  bool activation_checkpointing() const { return checkpointing_; }
+  const CheckpointOptions& checkpoint_options() const { return checkpoint_options_; }
+
  protected:
   // The lifecycle around the block's forward (sharded.cpp). active: in stage 3, with a live engine.
   bool pre_forward();
@@ -61,6 +80,8 @@ class ShardedBase : public torch::nn::Module {
  private:
   zero::Unit* unit_ = nullptr;
   std::weak_ptr<zero::Stage3Link> link_;
+  bool checkpointing_ = false;
+  CheckpointOptions checkpoint_options_;
 };
 
 namespace detail {
@@ -89,7 +110,7 @@ class ShardedImpl : public ShardedBase {
   // The block's forward, inside the unit's lifecycle (stage 3) or as is (other stages).
   template <class... Args>
   auto forward(Args&&... args) {
-    if (!pre_forward()) return inner->forward(std::forward<Args>(args)...);
+    if (!pre_forward()) return run_block(std::forward<Args>(args)...);
     struct Release {
       ShardedImpl* self;
       ~Release() { self->post_forward(); }
@@ -128,7 +149,65 @@ class ShardedImpl : public ShardedBase {
   template <class... Args, size_t... I>
   auto call(const std::vector<at::Tensor>& marked, const std::array<int, sizeof...(Args)>& slot,
             std::index_sequence<I...>, Args&&... args) {
-    return inner->forward(pass<I>(marked, slot, std::forward<Args>(args))...);
+    return run_block(pass<I>(marked, slot, std::forward<Args>(args))...);
+  }
+
+  // The block's forward, under activation checkpointing when this unit asks for it and autograd
+  // records: the defined tensor arguments are the checkpoint's inputs (kept), the rest are copied for
+  // the recomputation.
+  template <class... Args>
+  auto run_block(Args&&... args) {
+    using R = decltype(inner->forward(std::forward<Args>(args)...));
+    if (!activation_checkpointing() || !detail::grad_mode_enabled()) {
+      return inner->forward(std::forward<Args>(args)...);
+    }
+    constexpr size_t N = sizeof...(Args);
+    std::vector<at::Tensor> inputs;
+    std::array<int, N> slot{};
+    auto kept = std::make_tuple(std::decay_t<Args>(args)...);
+    [&]<size_t... I>(std::index_sequence<I...>) {
+      (
+          [&](auto& a) {
+            constexpr size_t i = I;
+            if constexpr (detail::is_tensor_v<decltype(a)>) {
+              slot[i] = a.defined() ? static_cast<int>(inputs.size()) : -1;
+              if (a.defined()) inputs.push_back(a);
+              a = at::Tensor();  // held as the checkpoint's input, not by the recomputation
+            } else {
+              slot[i] = -1;
+            }
+          }(std::get<I>(kept)),
+          ...);
+    }(std::index_sequence_for<Args...>{});
+    auto first = std::make_shared<zeal::detail::FirstResult<R>>();
+    zeal::detail::FlatFn flat = [block = inner, kept, slot, first](const std::vector<at::Tensor>& ins) mutable {
+      R r = [&]<size_t... I>(std::index_sequence<I...>) {
+        return block->forward(argument<I>(kept, slot, ins)...);
+      }(std::index_sequence_for<Args...>{});
+      std::vector<at::Tensor> out;
+      zeal::detail::flatten_into(r, out);
+      if (!first->filled) {
+        first->value = std::move(r);
+        first->filled = true;
+      }
+      return out;
+    };
+    const std::vector<at::Tensor> outs = zeal::detail::checkpoint_flat(std::move(flat), inputs, checkpoint_options());
+    R r = std::exchange(first->value, R{});
+    size_t k = 0;
+    zeal::detail::replace_from(r, outs, k);
+    return r;
+  }
+
+  // Argument I of a recomputation: the checkpoint's input in its slot, or the copy kept.
+  template <size_t I, class Kept, size_t N>
+  static decltype(auto) argument(const Kept& kept, const std::array<int, N>& slot, const std::vector<at::Tensor>& ins) {
+    using A = std::tuple_element_t<I, Kept>;
+    if constexpr (detail::is_tensor_v<A>) {
+      return slot[I] >= 0 ? ins[static_cast<size_t>(slot[I])] : at::Tensor();
+    } else {
+      return static_cast<const A&>(std::get<I>(kept));
+    }
   }
 
   template <size_t I, size_t N, class A>

@@ -162,6 +162,42 @@ TEST(Config, FsdpNoPrefetchAndFullStateDictAreHonoured) {
   EXPECT_EQ(c.zero.unit_names, (std::vector<std::string>{"Block", "Embed"}));
 }
 
+// DeepSpeed's activation_checkpointing section turns checkpointing on by being there (an explicit
+// enabled: false inside wins); Accelerate's fsdp_activation_checkpointing maps onto it; the keys
+// zeal does not act on are recorded with their reason; the environment and the flag set it too.
+TEST(Config, ActivationCheckpointingSectionsTurnCheckpointingOn) {
+  EXPECT_FALSE(parse("zero_optimization:\n  stage: 3\n").activation_checkpointing.enabled);
+  Config c = Config::parse(R"({"zero_optimization": {"stage": 3}, "activation_checkpointing": {
+      "partition_activations": true, "cpu_checkpointing": true, "contiguous_memory_optimization": false,
+      "number_checkpoints": null, "synchronize_checkpoint_boundary": true, "profile": false}})",
+                           "ds.json");
+  EXPECT_TRUE(c.activation_checkpointing.enabled);
+  EXPECT_TRUE(c.activation_checkpointing.cpu_checkpointing);
+  EXPECT_TRUE(c.activation_checkpointing.synchronize_checkpoint_boundary);
+  EXPECT_EQ(c.activation_checkpointing.unit_interval, 1);
+  EXPECT_NE(c.origins.at("activation_checkpointing.enabled").where.find("ds.json"), std::string::npos);
+  bool noted = false;
+  for (const auto& n : c.notes) noted = noted || n.find("partition_activations") != std::string::npos;
+  EXPECT_TRUE(noted) << "partition_activations is accepted without effect, and says why";
+  EXPECT_TRUE(Config::parse(R"({"activation_checkpointing": {}})", "ds.json").activation_checkpointing.enabled);
+  EXPECT_FALSE(Config::parse(R"({"activation_checkpointing": {"enabled": false, "unit_interval": 2}})", "ds.json")
+                   .activation_checkpointing.enabled);
+  EXPECT_EQ(Config::parse(R"({"activation_checkpointing": {"unit_interval": 3}})", "ds.json")
+                .activation_checkpointing.unit_interval,
+            3);
+  EXPECT_THROW(Config::parse(R"({"activation_checkpointing": {"unit_interval": 0}})", "ds.json"), ConfigError);
+  EXPECT_THROW(Config::parse(R"({"activation_checkpointing": {"cpu_checkpoint": true}})", "ds.json"), ConfigError);
+  EXPECT_TRUE(parse("distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing: true\n")
+                  .activation_checkpointing.enabled);
+  EXPECT_FALSE(parse("distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing: false\n")
+                   .activation_checkpointing.enabled);
+  ScopedEnv env;
+  env.set("ZEAL_ACTIVATION_CHECKPOINTING", "true");
+  EXPECT_TRUE(Config::defaults(true).activation_checkpointing.enabled);
+  const char* argv[] = {"prog", "--activation_checkpointing", "false"};
+  EXPECT_FALSE(Config::from_env_or_file(3, argv).activation_checkpointing.enabled);
+}
+
 TEST(Config, DefaultsAreDeepSpeeds) {
   Config c = Config::defaults(false);
   EXPECT_EQ(c.zero.stage, 0);

@@ -69,6 +69,11 @@ struct RunSpec {
   // (ZEAL_COMM_BACKEND=gloo: ranks share one GPU through the Gloo communicator).
   std::string device = "cpu";
   std::map<std::string, std::string> env;
+  // Activation checkpointing (the config's section) of every checkpoint_interval-th block, and the
+  // blocks' dropout probability.
+  bool checkpointing = false;
+  int64_t checkpoint_interval = 1;
+  double dropout = 0;
 };
 
 inline TinyGptOptions model_options() { return {}; }
@@ -170,6 +175,8 @@ inline zeal::Config make_config(const RunSpec& s) {
   c.zero.sub_group_size = s.sub_group;
   c.aio.block_size.is_auto = s.aio_auto;
   c.aio.queue_depth.is_auto = s.aio_auto;
+  c.activation_checkpointing.enabled = s.checkpointing;
+  c.activation_checkpointing.unit_interval = s.checkpoint_interval;
   return c;
 }
 
@@ -186,6 +193,7 @@ inline Setup make_setup(const RunSpec& s, const std::function<TinyGpt()>& build 
   zeal_test::seed(s.seed);
   TinyGptOptions mo = model_options();
   mo.layers = s.layers;
+  mo.dropout = s.dropout;
   Setup u{build ? build() : TinyGpt(mo), {}, nullptr, nullptr};
   if (s.freeze_embeddings) {
     u.model->wte->weight.set_requires_grad(false);
@@ -211,6 +219,7 @@ struct RunResult {
   // stage 3's unit gathers, prefetches and re-traces, offload host and disk bytes, shards read
   // ahead from disk and of those waited for
   std::vector<at::Tensor> params, skipped, scales, memory, trajectory;
+  std::vector<int64_t> forwards;  // per rank: forwards of all blocks (recomputations included)
   at::Tensor losses, norms;
 };
 
@@ -228,6 +237,7 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
   zeal::Engine engine(make_config(s), rt);
   TinyGptOptions mo = model_options();
   mo.layers = s.layers;
+  mo.dropout = s.dropout;
   Setup u = make_setup(s, [&] { return s.init ? engine.init<TinyGpt>(mo) : TinyGpt(mo); });
   auto [m, o] = engine.prepare(u.model, *u.opt);
   auto sched = engine.prepare(*u.step_lr);
@@ -270,6 +280,9 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
   write_tensor(dir + "/skipped_" + me, at::tensor(skipped, at::kDouble));
   write_tensor(dir + "/scales_" + me, at::tensor(scales, at::kDouble));
   write_tensor(dir + "/trajectory_" + me, at::stack(trajectory));
+  int64_t forwards = 0;
+  for (auto& b : m->blocks) forwards += b->inner->forwards;
+  write_tensor(dir + "/forwards_" + me, at::tensor({static_cast<double>(forwards)}, at::kDouble));
   const zeal::MemoryReport mem = engine.memory();
   const auto fetches = engine.fetch_counts();
   const auto disk_reads = engine.param_disk_reads();
@@ -301,6 +314,7 @@ inline RunResult run_engine(const RunSpec& s, const std::string& name, const Los
     r.scales.push_back(read_tensor(dir + "/scales_" + me));
     r.memory.push_back(read_tensor(dir + "/memory_" + me));
     r.trajectory.push_back(read_tensor(dir + "/trajectory_" + me).view({s.steps + 1, -1}));
+    r.forwards.push_back(static_cast<int64_t>(read_tensor(dir + "/forwards_" + me)[0].item<double>()));
   }
   r.losses = read_tensor(dir + "/losses");
   if (s.clip > 0) r.norms = read_tensor(dir + "/norms");

@@ -17,11 +17,13 @@ namespace zeal_test {
 
 struct TinyGptOptions {
   int64_t vocab = 37, dim = 20, heads = 2, layers = 2, seq = 8, hidden = 52;
+  double dropout = 0;  // after the attention and the MLP of every block, when training
 };
 
 struct BlockImpl : torch::nn::Module {
   BlockImpl(const TinyGptOptions& o)
       : heads(o.heads),
+        dropout(o.dropout),
         ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim})))),
         // No bias on the keys' projection: softmax cancels it, its gradient is rounding noise that
         // Adam would amplify into lr-sized steps, and no two summation orders agree on noise.
@@ -32,6 +34,7 @@ struct BlockImpl : torch::nn::Module {
         fc2(register_module("fc2", torch::nn::Linear(o.hidden, o.dim))) {}
 
   at::Tensor forward(const at::Tensor& x) {
+    ++forwards;
     const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
     auto parts = qkv(ln1(x)).split(C, 2);
     auto split_heads = [&](const at::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
@@ -40,11 +43,14 @@ struct BlockImpl : torch::nn::Module {
     at::Tensor mask = at::ones({T, T}, at::TensorOptions().dtype(at::kBool)).triu(1);
     att = at::softmax(att.masked_fill(mask, -1e4), -1);
     at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
-    at::Tensor h = x + proj(y);
-    return h + fc2(at::gelu(fc1(ln2(h))));
+    auto drop = [&](const at::Tensor& t) { return dropout > 0 && is_training() ? at::dropout(t, dropout, true) : t; };
+    at::Tensor h = x + drop(proj(y));
+    return h + drop(fc2(at::gelu(fc1(ln2(h)))));
   }
 
   int64_t heads;
+  double dropout;
+  int64_t forwards = 0;  // how often forward ran (a checkpointed block runs again in its backward)
   torch::nn::LayerNorm ln1;
   torch::nn::Linear qkv, proj;
   torch::nn::LayerNorm ln2;

@@ -91,8 +91,9 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error("check failed: " + what);
 }
 
-zeal::Config config_for(int stage, bool init = false) {
+zeal::Config config_for(int stage, bool init = false, bool checkpointing = false) {
   zeal::Config c = zeal_test::test_config();
+  c.activation_checkpointing.enabled = checkpointing;
   c.zero.stage = stage;
   c.gradient_clipping = {0.0, false};
   c.zero.reduce_bucket_size = {300, false};  // several buckets even for these tiny adapters
@@ -122,11 +123,11 @@ zeal::peft::LoraConfig lora_config() {
 
 // Trains the adapted tiny BERT on `world` ranks at `stage`; leaves adapter/, merged/ and the
 // initial base weights (init.safetensors, through save_merged before training) in `dir`.
-void train_lora(int stage, int world, const std::string& dir, bool init, int steps = 4) {
+void train_lora(int stage, int world, const std::string& dir, bool init, int steps = 4, bool checkpointing = false) {
   const int64_t global = 6, seq = 8, labels = 3;
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
-        zeal::Engine engine(config_for(stage, init), rt);
+        zeal::Engine engine(config_for(stage, init, checkpointing), rt);
         zeal_test::seed(5);
         auto model = init ? engine.init<BertForSequenceClassification>(tiny_bert(), labels)
                           : BertForSequenceClassification(tiny_bert(), labels);
@@ -304,6 +305,34 @@ TEST(Lora, BiasModesAndModulesToSaveChooseWhatTrainsAndWhatIsSaved) {
 
 // The adapters after training equal one process's at stage 0 in every stage and world size;
 // frozen weights never change; the file is the adapters' bytes; merged = base + scaling·B·A.
+// Activation checkpointing of the encoder layers (the first one's input asks for no gradient: the
+// embeddings are frozen) trains the same adapters bit for bit, at stages 0 and 3 on 2 ranks.
+TEST(Lora, CheckpointedLayersTrainTheSameAdaptersBitForBit) {
+  const std::string root = temp_dir("lora_ckpt");
+  for (int stage : {0, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const std::string plain = root + "/plain" + std::to_string(stage), ckpt = root + "/ckpt" + std::to_string(stage);
+    train_lora(stage, 2, plain, false, 3, false);
+    train_lora(stage, 2, ckpt, false, 3, true);
+    const StFile a = read_st(plain + "/adapter/adapter_model.safetensors");
+    const StFile b = read_st(ckpt + "/adapter/adapter_model.safetensors");
+    const StFile start = read_st(plain + "/init/model.safetensors");
+    ASSERT_EQ(a.tensors.size(), b.tensors.size());
+    for (const auto& [k, t] : a.tensors) {
+      ASSERT_TRUE(b.tensors.count(k)) << k;
+      EXPECT_TRUE(at::equal(t, b.tensors.at(k))) << k;
+    }
+    // The merged models agree too, and training changed them.
+    const StFile ma = read_st(plain + "/merged/model.safetensors"), mb = read_st(ckpt + "/merged/model.safetensors");
+    bool moved = false;
+    for (const auto& [k, t] : ma.tensors) {
+      EXPECT_TRUE(at::equal(t, mb.tensors.at(k))) << k;
+      moved = moved || !at::equal(t, start.tensors.at(k));
+    }
+    EXPECT_TRUE(moved);
+  }
+}
+
 TEST(Lora, EveryStageAndWorldSizeTrainsTheSameAdapters) {
   const std::string root = temp_dir("stages");
   train_lora(0, 1, root + "/ref", false);
