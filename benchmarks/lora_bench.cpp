@@ -75,6 +75,7 @@ struct Run {
   std::string why;
   std::vector<double> step_s;
   double peak_bytes = 0;
+  double peak_total_bytes = 0;  // the resident set's peak itself (the runtime included)
   int64_t trainable = 0;
   double median() const {
     zeal_bench::Series s;
@@ -91,7 +92,7 @@ struct Row {
   bool ok = true;
   std::string why;
   int64_t trainable = 0;
-  zeal_bench::Series step_s, peak_bytes;
+  zeal_bench::Series step_s, peak_bytes, peak_total_bytes;
   void add(const Run& r) {
     if (!r.ok) {
       ok = false;
@@ -100,6 +101,7 @@ struct Row {
     }
     step_s.values.push_back(r.median());
     peak_bytes.values.push_back(r.peak_bytes);
+    if (r.peak_total_bytes > 0) peak_total_bytes.values.push_back(r.peak_total_bytes);
     trainable = r.trainable;
   }
 };
@@ -167,7 +169,8 @@ Run run_zeal(const Options& o, int stage, bool lora, bool big_threshold, const a
         }
         out.erase(out.begin());  // the warm-up step
         zeal_bench::write_rank_result(dir, rank, out, double(zeal::detail::resident_peak_bytes() - base),
-                                      {double(engine.num_trainable_parameters())});
+                                      {double(engine.num_trainable_parameters()),
+                                       double(zeal::detail::resident_peak_bytes())});
       },
       o.world, so);
   const std::string failure = zeal::describe_failures(results);
@@ -175,10 +178,11 @@ Run run_zeal(const Options& o, int stage, bool lora, bool big_threshold, const a
     row.why = failure;
     return row;
   }
-  const auto res = zeal_bench::read_rank_results(dir, o.world, o.steps, 1);
+  const auto res = zeal_bench::read_rank_results(dir, o.world, o.steps, 2);
   row.step_s = res.step_s;
   row.peak_bytes = res.peak_bytes;
   row.trainable = static_cast<int64_t>(res.extras[0]);
+  row.peak_total_bytes = res.extras[1];
   row.ok = true;
   return row;
 }
@@ -324,7 +328,9 @@ int main(int argc, char** argv) {
     out_rows.push_back({{"name", r.name}, {"ok", r.ok}, {"why", r.why}, {"trainable", r.trainable},
                         {"step_s_per_round", r.step_s.values}, {"peak_bytes_per_round", r.peak_bytes.values},
                         {"median_step_s", r.ok ? json(r.step_s.median()) : json(nullptr)},
-                        {"peak_bytes", r.ok ? json(r.peak_bytes.median()) : json(nullptr)}});
+                        {"peak_bytes", r.ok ? json(r.peak_bytes.median()) : json(nullptr)},
+                        {"peak_total_bytes", r.ok && !r.peak_total_bytes.empty() ? json(r.peak_total_bytes.median())
+                                                                                : json(nullptr)}});
   }
   json result = {{"model", "all-MiniLM-L6-v2"}, {"parameters", psi}, {"num_labels", o.num_labels}, {"world", o.world},
                  {"threads_per_rank", o.threads}, {"cores", std::thread::hardware_concurrency()},

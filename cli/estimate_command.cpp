@@ -29,6 +29,8 @@ Runner add_estimate_command(CLI::App& app) {
     int num_processes = 1, num_machines = 1;
     int64_t micro_batch = 1, seq_len = 1024;
     bool gpu = false;
+    bool checkpointing = false, chunked_loss = false, untied_head = false;
+    int64_t checkpoint_interval = 1, loss_chunk = 0, max_in_cpu = 1'000'000'000, trainable = -1;
   };
   auto o = std::make_shared<Options>();
   std::string presets;
@@ -51,6 +53,25 @@ Runner add_estimate_command(CLI::App& app) {
   cmd->add_option("--stages", o->stages, "ZeRO stages, comma-separated (default 0,1,2,3)");
   cmd->add_option("--offload", o->offloads, "offload choices, comma-separated: none, cpu, nvme (default all)");
   cmd->add_flag("--gpu", o->gpu, "the model computes on GPUs (device and host columns); default: on the CPU");
+  cmd->add_option("--activation_checkpointing", o->checkpointing,
+                  "the blocks checkpoint their activations (the config's activation_checkpointing): true or false")
+      ->default_str("false");
+  cmd->add_option("--checkpoint_interval", o->checkpoint_interval,
+                  "with checkpointing: every k-th block (activation_checkpointing.unit_interval; default 1)")
+      ->check(flags::integer_in(1, 1 << 20));
+  cmd->add_option("--chunked_loss", o->chunked_loss,
+                  "the head and loss through zeal::chunked_cross_entropy, no whole logits (train_gpt's default): true or "
+                  "false")
+      ->default_str("false");
+  cmd->add_option("--loss_chunk", o->loss_chunk, "tokens per chunk of the chunked loss (0: its default)")
+      ->check(flags::integer_in(0, int64_t{1} << 40));
+  cmd->add_option("--max_in_cpu", o->max_in_cpu,
+                  "offload_param nvme: shard elements per rank kept in host memory (default DeepSpeed's 1e9)")
+      ->check(flags::integer_in(0, int64_t{1} << 50));
+  cmd->add_option("--trainable_params", o->trainable,
+                  "elements that train (LoRA's adapters); the rest are frozen (default: all train)")
+      ->check(flags::integer_in(0, int64_t{1} << 50));
+  cmd->add_flag("--untied_head", o->untied_head, "with --model: an LM head of its own (train_gpt --untied_head)");
   cmd->add_option("--json", o->json_path, "also write the estimate as JSON here");
   return [o] {
     estimate::ModelShape m;
@@ -61,7 +82,7 @@ Runner add_estimate_command(CLI::App& app) {
       } catch (const std::invalid_argument& e) {
         throw Error(std::string("--model: ") + e.what());
       }
-      m = estimate::gpt_shape(c.name, c.vocab, c.context, c.layers, c.dim, c.heads);
+      m = estimate::gpt_shape(c.name, c.vocab, c.context, c.layers, c.dim, c.heads, !o->untied_head);
     } else if (!o->hf_config.empty()) {
       try {
         m = estimate::hf_config_shape(o->hf_config);
@@ -89,6 +110,18 @@ Runner add_estimate_command(CLI::App& app) {
     r.on_gpu = o->gpu;
     r.micro_batch = o->micro_batch;
     r.seq_len = o->seq_len;
+    r.activation_checkpointing = o->checkpointing;
+    r.checkpoint_interval = o->checkpoint_interval;
+    r.chunked_loss = o->chunked_loss;
+    r.loss_chunk = o->loss_chunk;
+    r.max_in_cpu = o->max_in_cpu;
+    if (o->trainable >= 0) {
+      if (o->trainable > m.params) {
+        throw Error(fmt::format("--trainable_params: {} is more than the model's {} parameters", o->trainable, m.params));
+      }
+      r.trainable_params = o->trainable;
+    }
+    if (o->untied_head && o->preset.empty()) throw Error("--untied_head goes with --model (a train_gpt preset)");
     // The runtime's share of every rank's memory, measured here after a short training run of
     // the tiny GPT (the libraries, the kernels' code a step pages in, the threads).
     r.runtime_bytes = measured_runtime_bytes(o->gpu);

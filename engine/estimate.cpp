@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <numeric>
 #include <fstream>
 #include <stdexcept>
 
@@ -115,16 +116,18 @@ std::string deepspeed_zero2_table(int64_t total_params, int gpus_per_node, int n
 
 // --- models --------------------------------------------------------------------------------------
 
-ModelShape gpt_shape(const std::string& name, int64_t vocab, int64_t context, int64_t layers, int64_t dim, int64_t heads) {
+ModelShape gpt_shape(const std::string& name, int64_t vocab, int64_t context, int64_t layers, int64_t dim, int64_t heads,
+                     bool tied) {
   ModelShape m;
-  m.name = name;
+  m.name = tied ? name : name + " (untied head)";
   const int64_t block = 12 * dim * dim + 13 * dim;
-  const int64_t root = (vocab + context) * dim + 2 * dim;
+  const int64_t root = (vocab + context) * dim + 2 * dim + (tied ? 0 : vocab * dim);
   m.params = root + layers * block;
   m.largest_layer = std::max(vocab * dim, 4 * dim * dim + 4 * dim);  // the token embedding, or the MLP's fc
   m.largest_param = std::max(vocab * dim, 4 * dim * dim);
-  m.largest_param_grads = vocab * dim >= 4 * dim * dim ? 2 : 1;  // the head is tied to the token embedding
-  m.tied_head = vocab * dim;
+  m.largest_param_grads = tied && vocab * dim >= 4 * dim * dim ? 2 : 1;  // a tied head: two gradients of wte
+  m.tied_head = tied ? vocab * dim : 0;
+  m.untied_head = tied ? 0 : vocab * dim;
   m.units.push_back(root);
   for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
   m.transformer = ModelShape::Transformer{layers, dim, heads, vocab, 4 * dim};
@@ -190,7 +193,19 @@ ModelShape hf_config_shape(const std::string& path) {
     m.largest_param = std::max(vocab * h, h * ffn);
     m.units.push_back(root);
     for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
-    m.transformer = ModelShape::Transformer{layers, h, heads, vocab, ffn};
+    // Logits over the vocabulary only for a masked-LM or pre-training head (all-MiniLM-L6-v2 names
+    // BertModel; a sequence classifier's logits are a few per sequence).
+    bool lm = false;
+    if (j.contains("architectures") && j["architectures"].is_array()) {
+      for (const auto& a : j["architectures"])
+        if (a.is_string() && (a.get<std::string>().find("MaskedLM") != std::string::npos ||
+                              a.get<std::string>().find("PreTraining") != std::string::npos))
+          lm = true;
+    }
+    double dropout = 0;
+    if (j.contains("attention_probs_dropout_prob") && j["attention_probs_dropout_prob"].is_number())
+      dropout = j["attention_probs_dropout_prob"].get<double>();
+    m.transformer = ModelShape::Transformer{layers, h, heads, vocab, ffn, lm, dropout};
   }
   return m;
 }
@@ -228,8 +243,19 @@ struct Stage3Peak {
   bool in_head_backward = false;  // `logits` is then the logits' gradient alone
 };
 
-Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double G, double activations, double logits,
-                       double logits_grad, double head_wait, double end_extra) {
+// What the blocks hold for their backward, in bytes, block by block: `stored` from the block's
+// forward to its backward (a checkpointed block: its input only), `again` while its backward runs
+// (a checkpointed block's recomputed activations; 0 for the others).
+struct BlockActivations {
+  std::vector<double> stored, again;
+  double stored_total() const { return std::accumulate(stored.begin(), stored.end(), 0.0); }
+  double stored_up_to(size_t i) const {  // blocks 0..i
+    return i < stored.size() ? std::accumulate(stored.begin(), stored.begin() + static_cast<long>(i) + 1, 0.0) : 0.0;
+  }
+};
+
+Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double G, const BlockActivations& acts,
+                       double logits, double logits_grad, double head_wait, double head_arrival, double end_extra) {
   const size_t n = m.units.size();
   const double threshold = m.transformer ? 10.0 * static_cast<double>(m.transformer->hidden) : 1e5;  // "auto"
   std::vector<char> persistent(n, 0), held(n, 0);
@@ -257,7 +283,7 @@ Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double 
     if (held[u]) live -= static_cast<double>(m.units[u]);
     held[u] = 0;
   };
-  const double per_block = nf > 0 ? activations / static_cast<double>(nf) : 0;
+  const double activations = acts.stored_total();
   for (size_t k = 0; k < trace.size(); ++k) {
     const size_t u = trace[k];
     hold(u);
@@ -269,16 +295,18 @@ Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double 
     }
     const double gathered = persistent_elems + live;
     if (k < nf) {
-      consider(gathered, 0, per_block * static_cast<double>(k + 1), 0, 0);
+      consider(gathered, 0, acts.stored_up_to(k), 0, 0);
     } else {
-      const size_t b = k - nf;
+      const size_t b = k - nf, block = nf - 1 - b;  // the block whose backward runs
       if (b == 0) {
         consider(gathered, 0, activations, logits, 0);
         consider(gathered, 0, activations, logits_grad, head_wait, true);
+        consider(gathered, 0, activations, 0, head_arrival, true);
       }
       double staging = 0;
       for (size_t j = 0; j < 3 && j <= b; ++j) staging += static_cast<double>(m.units[trace[k - j]]);
-      consider(gathered, staging, per_block * static_cast<double>(nf - b), 0, head_wait);
+      const double again = block < acts.again.size() ? acts.again[block] : 0;
+      consider(gathered, staging, acts.stored_up_to(block) + again, 0, head_wait);
     }
     bool keep = false;
     if (live <= live_cap) {
@@ -311,9 +339,11 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   auto add = [&](const std::string& name, double bytes, const std::string& where) {
     if (bytes > 0) p.parts.push_back({name, static_cast<int64_t>(bytes), where});
   };
+  // Gradients, master weights and optimizer states exist for the elements that train only.
+  const double trained = r.trainable_params >= 0 ? std::min(psi, static_cast<double>(r.trainable_params)) : psi;
   const double p_share = r.stage == 3 ? psi / N : psi;
-  const double g_share = r.stage >= 2 ? psi / N : psi;
-  const double mo_share = r.stage >= 1 ? psi / N : psi;
+  const double g_share = r.stage >= 2 ? trained / N : trained;
+  const double mo_share = r.stage >= 1 ? trained / N : trained;
   add("runtime", static_cast<double>(r.runtime_bytes), "host");
   // Parameters: stage 3 on NVMe keeps max_in_cpu elements of shards in host memory, the rest on disk.
   if (r.stage == 3 && r.offload_param == Offload::kNvme) {
@@ -334,6 +364,14 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   for (const auto& part : p.parts)
     if (part.name != "runtime" && part.name != "parameters on disk") states += static_cast<double>(part.bytes);
   p.model_state_bytes = static_cast<int64_t>(states);
+  // Shards past max_in_cpu are read from disk ahead of their units' gathers: up to
+  // offload_param.buffer_count reads in flight, each a unit's shard, and the shard of the unit being
+  // gathered (gpt2-small on 2 ranks with 2/3 of its shards on disk: 6 x 14 MiB measured).
+  if (r.stage == 3 && r.offload_param == Offload::kNvme && m.units.size() >= 2) {
+    const double on_disk = p_share - std::min(p_share, static_cast<double>(r.max_in_cpu));
+    const double largest_unit = static_cast<double>(*std::max_element(m.units.begin() + 1, m.units.end()));
+    add("parameter shards read from disk", P * std::min(on_disk, (r.param_buffer_count + 1) * largest_unit / N), "host");
+  }
   // Offload buffers: NVMe windows (up to three sets of master, m, v, gradients and the gradients'
   // read buffer, plus the result window);
   // CPU offload: the step's gradient and result buffers.
@@ -343,70 +381,124 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   } else if (r.offload_optimizer == Offload::kCpu) {
     add("offload step buffers", (4.0 + P) * mo_share, "host");
   }
-  // Activations kept for the backward (a transformer's: per layer and token 16·h elements in the
-  // compute dtype — LayerNorm inputs and outputs, q/k/v, attention output, the MLP's two 4h
-  // tensors), the logits and their fp32 softmax and gradient.
-  // In the head's backward the logits and their softmax are gone; their gradient (compute dtype)
-  // and the head's fresh weight gradient are there.
-  double activations = 0, logits = 0, logits_grad = 0, head_grad = 0;
+  // Activations kept for the backward (a transformer's: per layer and token 8·h + 2·ffn elements in
+  // the compute dtype — LayerNorm inputs and outputs, q/k/v, attention output, the MLP's two
+  // ffn-wide tensors); a checkpointed block keeps its input (h per token) and holds its activations
+  // again while its backward runs. Then the head: the plain one holds the logits with their fp32
+  // softmax and gradient before its backward, and the logits' gradient (compute dtype) with the
+  // head's fresh weight gradient in it; the chunked one (zeal::chunked_cross_entropy) a block of
+  // logits and its exponentials, each token's log-sum-exp and target logit, and in its backward the
+  // hidden states' fp32 gradient and a vocabulary slice's weight gradient besides.
+  BlockActivations acts;
+  double logits = 0, logits_grad = 0, head_grad = 0;
+  const double train = r.trainable_params >= 0 ? std::min(psi, static_cast<double>(r.trainable_params)) : psi;
+  const bool frozen_head = train < psi;  // LoRA: the head is part of the frozen base
   if (m.transformer) {
     const auto& t = *m.transformer;
     const double tokens = static_cast<double>(r.micro_batch * r.seq_len);
-    activations = tokens * static_cast<double>(t.layers) * (8.0 * t.hidden + 2.0 * t.ffn) * static_cast<double>(P);
-    logits = tokens * static_cast<double>(t.vocab) * (static_cast<double>(P) + 8.0);
-    logits_grad = tokens * static_cast<double>(t.vocab) * static_cast<double>(P);
-    head_grad = static_cast<double>(P) * static_cast<double>(t.vocab) * static_cast<double>(t.hidden);
+    double block = tokens * (8.0 * t.hidden + 2.0 * t.ffn) * static_cast<double>(P);
+    if (t.attention_dropout > 0) {  // the probabilities, their dropout mask and the dropped ones
+      block += static_cast<double>(r.micro_batch) * static_cast<double>(t.heads) * static_cast<double>(r.seq_len) *
+               static_cast<double>(r.seq_len) * (2.0 * static_cast<double>(P) + 1.0);
+    }
+    const double input = tokens * static_cast<double>(t.hidden) * static_cast<double>(P);
+    const int64_t interval = std::max<int64_t>(1, r.checkpoint_interval);
+    for (int64_t l = 0; l < t.layers; ++l) {
+      const bool ckpt = r.activation_checkpointing && l % interval == 0;
+      acts.stored.push_back(ckpt ? input : block);
+      acts.again.push_back(ckpt ? block : 0.0);
+    }
+    if (t.lm_head) {
+      const double V = static_cast<double>(t.vocab), C = static_cast<double>(t.hidden);
+      if (r.chunked_loss) {
+        // chunked_cross_entropy's plan: a vocabulary slice of at most 4 Mi weights, a chunk of tokens
+        // making a block of 8 Mi logits with it.
+        const double kBlock = 8388608.0, kSlice = 4194304.0;
+        double slice = std::min(V, std::max(1.0, std::floor(kSlice / C)));
+        const double chunk = r.loss_chunk > 0 ? std::min(tokens, static_cast<double>(r.loss_chunk))
+                                              : std::clamp(std::floor(kBlock / slice), 1.0, std::max(1.0, tokens));
+        slice = std::min(slice, std::max(1.0, std::floor(kBlock / chunk)));
+        const double logit_block = 4.0 * chunk * slice;
+        const bool widened = P == 2 && !r.on_gpu;  // bf16/fp16 products in fp32 on CPUs without instructions
+        logits = 2 * logit_block + 8.0 * tokens;
+        logits_grad = 2 * logit_block + 4.0 * tokens * C + 4.0 * slice * C + (widened ? 4.0 * tokens * C : 0.0);
+      } else {
+        logits = tokens * V * (static_cast<double>(P) + 8.0);
+        logits_grad = tokens * V * static_cast<double>(P);
+      }
+      head_grad = frozen_head ? 0.0 : static_cast<double>(P) * V * C;
+    }
   }
+  const double activations = acts.stored_total();
+  const double last_again = acts.again.empty() ? 0.0 : acts.again.back();
   if (r.stage == 3 && N > 1 && m.units.size() >= 2) {
     // The moment of the pass that holds the most (stage3_peak).
     // Tied: the head's gradient (compute dtype) waits for the lookup's, and the end holds both and
     // their sum's staging. Untied: the head's gradient sits in the root's staging (accumulation
     // dtype) from the turnaround on, and the end adds the embedding's fresh gradient.
-    const double tied = static_cast<double>(m.tied_head), untied = static_cast<double>(m.untied_head);
+    const double tied = frozen_head ? 0.0 : static_cast<double>(m.tied_head);
+    const double untied = frozen_head ? 0.0 : static_cast<double>(m.untied_head);
+    // An untied head's fresh gradient (compute dtype) is added into the root's staging when it
+    // arrives: for that moment both exist.
     const double head_wait = tied > 0 ? P * tied : G * untied;
+    const double head_arrival = tied > 0 ? P * tied : (G + P) * untied;
     const double end_extra = tied > 0 ? 2 * P * tied : P * untied;
-    const Stage3Peak s = stage3_peak(m, r, static_cast<double>(P), static_cast<double>(G), activations, logits,
-                                     logits_grad, head_wait, end_extra);
+    const Stage3Peak s = stage3_peak(m, r, static_cast<double>(P), static_cast<double>(G), acts, logits, logits_grad,
+                                     head_wait, head_arrival, end_extra);
     add("gathered units", P * std::min(psi, s.gathered_elems), dev);
-    add("gradients being reduced", G * s.staging_elems, dev);
+    add("gradients being reduced", G * s.staging_elems * (trained / psi), dev);
     add(tied > 0 ? "the tied head's gradient" : "the head's gradient", s.head, dev);
     add("activations", s.activations, dev);
-    add(s.in_head_backward ? "the logits' gradient" : "logits, softmax and their gradient", s.logits, dev);
+    add(s.in_head_backward ? "the logits' gradient" : r.chunked_loss ? "a block of logits (chunked loss)"
+                                                                    : "logits, softmax and their gradient",
+        s.logits, dev);
   } else {
     const double largest_unit = m.units.empty() ? psi : static_cast<double>(*std::max_element(m.units.begin(), m.units.end()));
     if (r.stage == 3 && N > 1) {
       add("gathered units", P * psi, dev);
-      add("a unit's full gradient before its reduce-scatter", G * largest_unit, dev);
-    } else {
-      // Stages 1 and 2 reduce-scatter the gradients through buckets of reduce_bucket_size (DeepSpeed's
-      // 5e8 elements: the whole gradient of models up to that size).
-      if ((r.stage == 1 || r.stage == 2) && N > 1) add("gradient buckets in flight", G * std::min(psi, 5e8), dev);
-    }
-    if (r.stage == 3 && N > 1) {
+      add("a unit's full gradient before its reduce-scatter", G * largest_unit * (trained / psi), dev);
       add("activations", activations, dev);
       add("logits, softmax and their gradient", logits, dev);
     } else {
       // The backward's own tensors at the moment that holds the most: before the head's backward,
       // the activations with the logits, their softmax and gradient; in it, the activations, the
-      // logits' gradient and the head's fresh weight gradient; at the end, the largest parameter's
-      // fresh gradient — tied to the head, three of it: the head's (waiting since the turnaround),
-      // the lookup's and their sum (gpt2-small, 2 ranks: 446 to 456 MiB per rank beside the model
-      // states whether 64 or 256 tokens, 3 x 147 MiB).
-      // Fresh gradients are in the parameters' (compute) dtype; the flat gradients they are added
-      // into are the model states' fp32.
-      const double largest = P * static_cast<double>(m.largest_param);
-      const int copies = m.largest_param_grads > 1 ? m.largest_param_grads + 1 : 1;
+      // logits' gradient and the head's fresh weight gradient; in the last block's backward, every
+      // block's activations (a checkpointed block's again) and the tied head's gradient (waiting for
+      // the lookup's); at the end, the largest parameter's fresh gradient — tied to the head, three
+      // of it: the head's (waiting since the turnaround), the lookup's and their sum (gpt2-small,
+      // 2 ranks: 446 to 456 MiB per rank beside the model states whether 64 or 256 tokens, 3 x 147
+      // MiB). Fresh gradients are in the parameters' (compute) dtype; the flat gradients they are
+      // added into are the model states' fp32.
+      // Stages 1 and 2 on several ranks add the reduction's buffers of reduce_bucket_size (DeepSpeed's
+      // 5e8 elements: the whole gradient of models up to that size) from the first gradient that
+      // arrives on: to the blocks' backward and its end, not to the head's backward before them.
+      const double buckets = (r.stage == 1 || r.stage == 2) && N > 1 ? G * std::min(trained, 5e8) : 0.0;
+      // A tied embedding's gradients at the end: the plain head's (the product's transposed result,
+      // which the sum copies), the lookup's and their sum — three; the chunked head's is written
+      // contiguous and autograd adds the lookup's into it — two (gpt2-small, 2 ranks, 1 x 256 and
+      // 1 x 768 tokens at stages 0-2: 2.0 to 2.2 x 147 MiB measured beside the model states and the
+      // runtime).
+      const double largest = frozen_head ? 0.0 : P * static_cast<double>(m.largest_param);
+      const int copies = m.largest_param_grads > 1 ? (r.chunked_loss ? 2 : m.largest_param_grads + 1) : 1;
+      const double tied_wait = frozen_head ? 0.0 : P * static_cast<double>(m.tied_head);
       const double before_head = activations + logits, in_head = activations + logits_grad + head_grad;
-      const double at_end = largest * copies;
-      if (at_end >= before_head && at_end >= in_head) {
-        add("the largest parameter's fresh gradients", at_end, dev);
+      const double first_block = buckets + activations + last_again + tied_wait;
+      const double at_end = buckets + largest * copies;
+      if (at_end >= before_head && at_end >= in_head && at_end >= first_block) {
+        add("gradient buckets in flight", buckets, dev);
+        add("the largest parameter's fresh gradients", largest * copies, dev);
+      } else if (first_block >= before_head && first_block >= in_head) {
+        add("gradient buckets in flight", buckets, dev);
+        add("activations", activations, dev);
+        add("a checkpointed block's activations again", last_again, dev);
+        add("the tied head's gradient", tied_wait, dev);
       } else if (in_head >= before_head) {
         add("activations", activations, dev);
         add("the logits' gradient", logits_grad, dev);
         add("the head's fresh gradient", head_grad, dev);
       } else {
         add("activations", activations, dev);
-        add("logits, softmax and their gradient", logits, dev);
+        add(r.chunked_loss ? "a block of logits (chunked loss)" : "logits, softmax and their gradient", logits, dev);
       }
     }
   }
@@ -424,11 +516,24 @@ Report report(const ModelShape& m, const RunShape& base, const std::vector<int>&
   nlohmann::json j;
   j["model"] = {{"name", m.name}, {"params", m.params}, {"largest_layer_params", m.largest_layer}};
   j["run"] = {{"world", base.world}, {"nodes", nodes}, {"precision", base.precision}, {"micro_batch", base.micro_batch},
-              {"seq_len", base.seq_len}, {"on_gpu", base.on_gpu}, {"runtime_bytes", base.runtime_bytes}};
+              {"seq_len", base.seq_len}, {"on_gpu", base.on_gpu}, {"runtime_bytes", base.runtime_bytes},
+              {"activation_checkpointing", base.activation_checkpointing},
+              {"checkpoint_interval", base.checkpoint_interval}, {"chunked_loss", base.chunked_loss},
+              {"loss_chunk", base.loss_chunk}, {"max_in_cpu", base.max_in_cpu},
+              {"trainable_params", base.trainable_params}};
   std::string text = fmt::format("zeal estimate-memory: {}, {:.1f} M parameters (largest layer {:.1f} M), {} ranks, {}, "
-                                 "{} x {} tokens per rank\n\n",
+                                 "{} x {} tokens per rank{}{}{}\n\n",
                                  m.name, static_cast<double>(m.params) / 1e6, static_cast<double>(m.largest_layer) / 1e6,
-                                 base.world, base.precision, base.micro_batch, base.seq_len);
+                                 base.world, base.precision, base.micro_batch, base.seq_len,
+                                 base.activation_checkpointing
+                                     ? (base.checkpoint_interval > 1
+                                            ? fmt::format(", every {}th block checkpointed", base.checkpoint_interval)
+                                            : std::string(", blocks checkpointed"))
+                                     : std::string(),
+                                 base.chunked_loss ? ", chunked loss" : "",
+                                 base.trainable_params >= 0
+                                     ? fmt::format(", {:.2f} M parameters train", static_cast<double>(base.trainable_params) / 1e6)
+                                     : std::string());
   text += "| stage | offload | model states per rank | " + std::string(base.on_gpu ? "device peak | " : "") +
           "host peak | on disk | what the peak holds |\n|---|---|---|" + (base.on_gpu ? "---|" : "") + "---|---|---|\n";
   nlohmann::json rows = nlohmann::json::array();

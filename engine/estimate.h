@@ -50,16 +50,25 @@ struct ModelShape {
   int64_t untied_head = 0;
   struct Transformer {
     int64_t layers = 0, hidden = 0, heads = 0, vocab = 0, ffn = 0;
+    bool lm_head = true;  // logits over the vocabulary per token (false: a classifier on a pooled state)
+    // Dropout on the attention probabilities (BERT's attention_probs_dropout_prob): LibTorch's CPU
+    // attention then takes its plain path, which keeps each layer's probabilities, the dropout mask
+    // and the dropped probabilities (batch · heads · tokens² each) for the backward.
+    double attention_dropout = 0;
   };
   std::optional<Transformer> transformer;
 };
 // The GPT of examples/models/gpt.h (GptConfig's fields): the root (embeddings, final norm; the
 // head is tied) and one unit per block.
-ModelShape gpt_shape(const std::string& name, int64_t vocab, int64_t context, int64_t layers, int64_t dim, int64_t heads);
+// tied: the head is wte's matrix (GPT-2); untied: an lm_head of its own in the root.
+ModelShape gpt_shape(const std::string& name, int64_t vocab, int64_t context, int64_t layers, int64_t dim, int64_t heads,
+                     bool tied = true);
 // A Hugging Face config.json: GPT-2 (n_embd, n_layer, n_head, vocab_size, n_positions), BERT
 // (hidden_size, num_hidden_layers, intermediate_size, vocab_size, max_position_embeddings,
-// type_vocab_size) or LLaMA-style (model_type llama/mistral/qwen2: hidden_size, num_hidden_layers,
-// intermediate_size, vocab_size, tie_word_embeddings). std::runtime_error naming the file and key.
+// type_vocab_size; logits over the vocabulary only when `architectures` names a masked-LM or
+// pre-training head) or LLaMA-style (model_type llama/mistral/qwen2: hidden_size,
+// num_hidden_layers, intermediate_size, vocab_size, tie_word_embeddings). std::runtime_error naming
+// the file and key.
 ModelShape hf_config_shape(const std::string& path);
 
 // --- zeal's prediction ----------------------------------------------------------------------------
@@ -82,7 +91,20 @@ struct RunShape {
   int64_t max_reuse_distance = 1'000'000'000;
   int64_t max_in_cpu = 1'000'000'000;   // offload_param nvme: shard elements kept in host memory
   int buffer_count = 4;                  // offload_optimizer.buffer_count
+  int param_buffer_count = 5;            // offload_param.buffer_count: shard reads ahead at once
   int64_t runtime_bytes = 0;             // the process's resident set before the model (measured)
+  // Activation checkpointing of every checkpoint_interval-th block (units 0, k, 2k, …): such a block
+  // keeps its input only, and holds its activations again while its backward runs.
+  bool activation_checkpointing = false;
+  int64_t checkpoint_interval = 1;
+  // The head and loss through zeal::chunked_cross_entropy: a block of logits at a time instead of
+  // the [tokens, vocab] logits, their softmax and gradient. loss_chunk: tokens per chunk (0: its
+  // default).
+  bool chunked_loss = false;
+  int64_t loss_chunk = 0;
+  // Elements that train (-1: all); the others are frozen (LoRA): no gradients, master weights or
+  // optimizer states for them.
+  int64_t trainable_params = -1;
 };
 
 struct Part {

@@ -2,6 +2,8 @@
 // pre-norm blocks (causal self-attention, GELU MLP), a final layer norm and an LM head tied to the
 // token embedding. Each block is a zeal::Sharded<Block>, the stage-3 unit (FSDP's
 // transformer_layer_cls_to_wrap); the embeddings, the final norm and the tied head form the root.
+// loss() computes the head and the cross-entropy a chunk of tokens at a time by default
+// (zeal::chunked_cross_entropy), so the [tokens, vocab] logits never exist whole.
 //
 //   auto model = engine.init<zeal::models::Gpt>(zeal::models::gpt_preset("gpt2-small"));
 #pragma once
@@ -19,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/chunked_loss.h"
 #include "engine/linear.h"
 #include "engine/zero/sharded.h"
 #include "examples/models/gpt_config.h"
@@ -74,27 +77,45 @@ struct GptImpl : torch::nn::Module {
     wte->weight.normal_(0, 0.02);
     wpe->weight.normal_(0, 0.01);
     for (int64_t i = 0; i < c.layers; ++i) blocks.push_back(register_module("h" + std::to_string(i), Sharded<Block>(c)));
+    if (!c.tie_head) {
+      lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
+      lm_head->weight.normal_(0, 0.02);
+    }
+  }
+
+  // The head's matrix: the token embedding's (tied) or lm_head's.
+  const at::Tensor& head_weight() const { return config.tie_head ? wte->weight : lm_head->weight; }
+
+  // idx: [B, T] token ids (T ≤ context) → the final hidden states [B, T, dim].
+  at::Tensor hidden(const at::Tensor& idx) {
+    at::Tensor x = wte(idx) + wpe(at::arange(idx.size(1), idx.options()));
+    for (auto& b : blocks) x = b->forward(x);
+    return ln_f(x);
   }
 
   // idx: [B, T] token ids (T ≤ context) → logits [B, T, vocab]; the head is wte's matrix.
   at::Tensor forward(const at::Tensor& idx) {
-    at::Tensor x = wte(idx) + wpe(at::arange(idx.size(1), idx.options()));
-    for (auto& b : blocks) x = b->forward(x);
-    return zeal::linear(ln_f(x), wte->weight);  // fast in bf16 on CPUs without bf16 instructions too
+    return zeal::linear(hidden(idx), head_weight());  // fast in bf16 on CPUs without bf16 instructions too
   }
 
-  // Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1].
+  // Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]: through the chunked head
+  // (config.chunked_loss) or the whole logits.
   at::Tensor loss(const at::Tensor& tokens) {
     const int64_t T = tokens.size(1) - 1;
+    const at::Tensor targets = tokens.narrow(1, 1, T);
+    if (config.chunked_loss) {
+      return zeal::chunked_cross_entropy(hidden(tokens.narrow(1, 0, T)), head_weight(), targets,
+                                         {.chunk = config.loss_chunk});
+    }
     at::Tensor logits = forward(tokens.narrow(1, 0, T));
-    return at::cross_entropy_loss(logits.reshape({-1, config.vocab}).to(at::kFloat),
-                                  tokens.narrow(1, 1, T).reshape({-1}));
+    return at::cross_entropy_loss(logits.reshape({-1, config.vocab}).to(at::kFloat), targets.reshape({-1}));
   }
 
   GptConfig config;
   torch::nn::Embedding wte, wpe;
   std::vector<Sharded<Block>> blocks;
   torch::nn::LayerNorm ln_f;
+  torch::nn::Linear lm_head{nullptr};  // untied heads only
 };
 TORCH_MODULE(Gpt);
 

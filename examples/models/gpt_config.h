@@ -12,8 +12,18 @@ namespace zeal::models {
 struct GptConfig {
   std::string name = "tiny";
   int64_t vocab = 256, context = 128, layers = 2, dim = 64, heads = 4;
-  // Parameters: embeddings (vocab + context)·dim, per block 12·dim² + 13·dim, final norm 2·dim.
-  int64_t num_parameters() const { return (vocab + context) * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim; }
+  // loss(): the head and cross-entropy a chunk of tokens at a time (zeal::chunked_cross_entropy,
+  // never the whole [tokens, vocab] logits; loss_chunk tokens at once, 0: its default); false: the
+  // plain logits and cross_entropy.
+  bool chunked_loss = true;
+  int64_t loss_chunk = 0;
+  // The LM head: wte's matrix (GPT-2) or, untied, a vocab × dim matrix of its own (lm_head, LLaMA-style).
+  bool tie_head = true;
+  // Parameters: embeddings (vocab + context)·dim, per block 12·dim² + 13·dim, final norm 2·dim, an
+  // untied head vocab·dim.
+  int64_t num_parameters() const {
+    return (vocab + context) * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim + (tie_head ? 0 : vocab * dim);
+  }
 };
 
 // tiny (byte-level, for tests), GPT-2's small (124 M), medium (355 M) and large (774 M), and

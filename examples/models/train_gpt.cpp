@@ -126,6 +126,15 @@ int main(int argc, char** argv) {
   app.add_option("--eval_batches", eval_batches, "micro-batches per rank in each evaluation")
       ->capture_default_str()
       ->check(zeal_examples::at_least_one());
+  bool chunked_loss = true, untied_head = false;
+  int64_t loss_chunk = 0;
+  app.add_flag("--untied_head", untied_head, "an LM head of its own (LLaMA-style lm_head) instead of wte's matrix");
+  app.add_option("--chunked_loss", chunked_loss,
+                 "the head and loss a chunk of tokens at a time, never the whole logits (false: the plain logits)")
+      ->capture_default_str();
+  app.add_option("--loss_chunk", loss_chunk, "tokens per chunk of the loss (0: about 8 Mi logits a block)")
+      ->capture_default_str()
+      ->check(zeal_examples::non_negative());
   std::string save_dir, resume;
   int64_t save_every = 0;
   app.add_option("--save_dir", save_dir, "save checkpoints here (D/step_<k>, D/latest)");
@@ -137,6 +146,9 @@ int main(int argc, char** argv) {
   zeal::models::GptConfig cfg;
   try {
     cfg = zeal::models::gpt_preset(preset);
+    cfg.chunked_loss = chunked_loss;
+    cfg.loss_chunk = loss_chunk;
+    cfg.tie_head = !untied_head;
   } catch (const std::invalid_argument& e) {
     std::cerr << "train_gpt: --model: " << e.what() << "\n";
     return 2;

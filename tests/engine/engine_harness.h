@@ -73,6 +73,7 @@ struct RunSpec {
   // blocks' dropout probability.
   bool checkpointing = false;
   int64_t checkpoint_interval = 1;
+  bool cpu_checkpointing = false;  // the checkpoints' inputs in pinned host memory (GPU ranks)
   double dropout = 0;
 };
 
@@ -177,6 +178,7 @@ inline zeal::Config make_config(const RunSpec& s) {
   c.aio.queue_depth.is_auto = s.aio_auto;
   c.activation_checkpointing.enabled = s.checkpointing;
   c.activation_checkpointing.unit_interval = s.checkpoint_interval;
+  c.activation_checkpointing.cpu_checkpointing = s.cpu_checkpointing;
   return c;
 }
 
