@@ -31,6 +31,7 @@ Runner add_estimate_command(CLI::App& app) {
     bool gpu = false;
     bool checkpointing = false, chunked_loss = false, untied_head = false;
     int64_t checkpoint_interval = 1, loss_chunk = 0, max_in_cpu = 1'000'000'000, trainable = -1;
+    std::string frozen_head = "auto";
   };
   auto o = std::make_shared<Options>();
   std::string presets;
@@ -71,6 +72,10 @@ Runner add_estimate_command(CLI::App& app) {
   cmd->add_option("--trainable_params", o->trainable,
                   "elements that train (LoRA's adapters); the rest are frozen (default: all train)")
       ->check(flags::integer_in(0, int64_t{1} << 50));
+  cmd->add_option("--frozen_head", o->frozen_head,
+                  "with --trainable_params: whether the LM head is frozen (true, LoRA's base) or trains (false); "
+                  "default true")
+      ->transform(CLI::IsMember({"auto", "true", "false"}));
   cmd->add_flag("--untied_head", o->untied_head, "with --model: an LM head of its own (train_gpt --untied_head)");
   cmd->add_option("--json", o->json_path, "also write the estimate as JSON here");
   return [o] {
@@ -122,6 +127,18 @@ Runner add_estimate_command(CLI::App& app) {
       r.trainable_params = o->trainable;
     }
     if (o->untied_head && o->preset.empty()) throw Error("--untied_head goes with --model (a train_gpt preset)");
+    if (!m.transformer && (o->checkpointing || o->chunked_loss)) {
+      throw Error(std::string(o->checkpointing ? "--activation_checkpointing" : "--chunked_loss") +
+                  " needs the model's layers: give --model or --hf_config (--params has model states only)");
+    }
+    if (o->checkpoint_interval != 1 && !o->checkpointing) {
+      throw Error("--checkpoint_interval goes with --activation_checkpointing true");
+    }
+    if (o->loss_chunk != 0 && !o->chunked_loss) throw Error("--loss_chunk goes with --chunked_loss true");
+    if (o->frozen_head != "auto") {
+      if (o->trainable < 0) throw Error("--frozen_head goes with --trainable_params");
+      r.frozen_head = o->frozen_head == "true";
+    }
     // The runtime's share of every rank's memory, measured here after a short training run of
     // the tiny GPT (the libraries, the kernels' code a step pages in, the threads).
     r.runtime_bytes = measured_runtime_bytes(o->gpu);

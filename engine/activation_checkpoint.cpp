@@ -6,11 +6,18 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/StringUtil.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
+#include <fmt/format.h>
+
+#include "engine/error.h"
 #include "engine/zero/grad_hook.h"
 
 #include <algorithm>
@@ -51,6 +58,7 @@ struct AutocastState {
     s.cache = at::autocast::is_autocast_cache_enabled();
     return s;
   }
+  bool any() const { return cpu || cuda; }
   void apply() const {
     at::autocast::set_autocast_enabled(at::kCPU, cpu);
     at::autocast::set_autocast_enabled(at::kCUDA, cuda);
@@ -69,15 +77,73 @@ struct Saved : torch::CustomClassHolder {
   std::vector<at::Tensor> inputs;  // detached; in pinned host memory when offloaded
   std::vector<at::Device> devices;  // each input's device
   std::vector<bool> requires_grad;
-  std::vector<GeneratorState> generators;  // the CPU's, then each GPU's the inputs live on
+  std::vector<int64_t> versions;  // each input's version when the forward ran (-1: offloaded copy)
+  std::vector<GeneratorState> generators;  // the CPU's, the current GPU's, each GPU's an input lives on
   AutocastState autocast;
+  size_t outputs = 0;     // how many tensors the forward returned
+  bool released = false;  // a backward without retain_graph ran: the inputs are gone
 };
 
-void synchronize_devices(const std::vector<at::Device>& devices) {
+// The generators fn may draw from: the CPU's, the current GPU's where CUDA is in use, and those of
+// the GPUs the inputs live on.
+std::vector<GeneratorState> generators_for(at::TensorList inputs) {
+  std::vector<GeneratorState> out{GeneratorState::of(at::detail::getDefaultCPUGenerator())};
+  std::set<c10::DeviceIndex> gpus;
+  const auto& cuda = at::detail::getCUDAHooks();
+  if (cuda.hasCUDA()) {
+    const c10::DeviceIndex current = cuda.current_device();
+    if (current >= 0 && cuda.hasPrimaryContext(current)) gpus.insert(current);
+  }
+  for (const auto& t : inputs)
+    if (t.is_cuda()) gpus.insert(t.device().index());
+  for (c10::DeviceIndex g : gpus) {
+    out.push_back(GeneratorState::of(at::globalContext().defaultGenerator(at::Device(at::kCUDA, g))));
+  }
+  return out;
+}
+
+// The forward's random state and autocast for the recomputation; what the backward thread had is put
+// back after, whatever happens.
+class Replay {
+ public:
+  explicit Replay(const Saved& saved) {
+    for (const auto& g : saved.generators) current_.push_back(GeneratorState::of(g.gen));
+    autocast_ = AutocastState::now();
+    try {
+      for (const auto& g : saved.generators) g.restore();
+      saved.autocast.apply();
+      if (saved.autocast.any()) {
+        at::autocast::increment_nesting();
+        nested_ = true;
+      }
+    } catch (...) {
+      undo();
+      throw;
+    }
+  }
+  ~Replay() { undo(); }
+  Replay(const Replay&) = delete;
+  Replay& operator=(const Replay&) = delete;
+
+ private:
+  void undo() {
+    // The autocast cache holds casts of this recomputation's weights: not for the next forward.
+    if (nested_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    nested_ = false;
+    for (const auto& g : current_) g.restore();
+    autocast_.apply();
+  }
+
+  std::vector<GeneratorState> current_;
+  AutocastState autocast_;
+  bool nested_ = false;
+};
+
+void synchronize_devices(at::TensorList tensors) {
   std::set<c10::DeviceIndex> done;
-  for (const auto& d : devices) {
-    if (d.is_cuda() && done.insert(d.index()).second) {
-      c10::impl::VirtualGuardImpl(d.type()).synchronizeDevice(d.index());
+  for (const auto& t : tensors) {
+    if (t.is_cuda() && done.insert(t.device().index()).second) {
+      c10::impl::VirtualGuardImpl(at::kCUDA).synchronizeDevice(t.device().index());
     }
   }
 }
@@ -85,27 +151,26 @@ void synchronize_devices(const std::vector<at::Device>& devices) {
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
   static variable_list forward(AutogradContext* ctx, at::TensorList inputs, c10::intrusive_ptr<Saved> saved) {
     // Autograd is off here (custom functions run their forward without it): fn keeps nothing.
-    std::set<c10::DeviceIndex> gpus;
     const auto real = inputs.slice(0, saved->real);
-    saved->generators.push_back(GeneratorState::of(at::detail::getDefaultCPUGenerator()));
+    saved->generators = generators_for(real);
+    saved->autocast = AutocastState::now();
+    if (saved->options.synchronize) synchronize_devices(real);
+    // The inputs as fn gets them, before it runs (an in-place op inside fn must not change them).
     for (const auto& t : real) {
       saved->devices.push_back(t.device());
       saved->requires_grad.push_back(t.requires_grad());
-      if (t.is_cuda() && gpus.insert(t.device().index()).second) {
-        saved->generators.push_back(GeneratorState::of(at::globalContext().defaultGenerator(t.device())));
-      }
-    }
-    saved->autocast = AutocastState::now();
-    if (saved->options.synchronize) synchronize_devices(saved->devices);
-    std::vector<at::Tensor> outputs = saved->fn(real.vec());
-    for (const auto& t : real) {
-      at::Tensor kept = t.detach();
+      at::Tensor kept = t.detach();  // shares the version counter: a later in-place change is seen
+      int64_t version = static_cast<int64_t>(kept._version());
       if (saved->options.offload_inputs && kept.is_cuda()) {
         kept = kept.to(at::TensorOptions().device(at::kCPU).pinned_memory(true), /*non_blocking=*/true);
+        version = -1;
       }
-      saved->inputs.push_back(kept);
+      saved->inputs.push_back(std::move(kept));
+      saved->versions.push_back(version);
     }
-    if (saved->options.synchronize) synchronize_devices(saved->devices);
+    std::vector<at::Tensor> outputs = saved->fn(real.vec());
+    saved->outputs = outputs.size();
+    if (saved->options.synchronize) synchronize_devices(real);
     std::vector<at::Tensor> non_diff;
     for (const auto& o : outputs) {
       if (o.defined() && !at::isFloatingType(o.scalar_type()) && !at::isComplexType(o.scalar_type())) {
@@ -120,6 +185,31 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = c10::static_intrusive_pointer_cast<Saved>(ctx->saved_data["checkpoint"].toCapsule());
+    if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
+      throw Error(
+          "zeal::checkpoint: torch::autograd::grad and backward with `inputs` cannot pass through an activation "
+          "checkpoint (its recomputation accumulates every parameter's .grad); use loss.backward() / "
+          "engine.backward(), or run that function without checkpointing");
+    }
+    if (c10::GradMode::is_enabled()) {
+      throw Error(
+          "zeal::checkpoint: create_graph (a double backward) cannot pass through an activation checkpoint: "
+          "run that function without checkpointing");
+    }
+    if (saved->released) {
+      throw Error(
+          "zeal::checkpoint: a second backward through an activation checkpoint whose inputs the first one "
+          "freed; pass retain_graph to the first backward");
+    }
+    for (size_t i = 0; i < saved->inputs.size(); ++i) {
+      if (saved->versions[i] >= 0 && static_cast<int64_t>(saved->inputs[i]._version()) != saved->versions[i]) {
+        throw Error(fmt::format(
+            "zeal::checkpoint: input {} of an activation checkpoint ({}, {}) was modified by an in-place operation "
+            "after the forward used it (version {}, now {}); its recomputation would not be the forward",
+            i, c10::str(saved->inputs[i].sizes()), c10::toString(saved->inputs[i].scalar_type()), saved->versions[i],
+            saved->inputs[i]._version()));
+      }
+    }
     // The inputs again, as leaves that ask for their gradient where the originals did.
     std::vector<at::Tensor> leaves;
     for (size_t i = 0; i < saved->inputs.size(); ++i) {
@@ -131,30 +221,28 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
     std::vector<at::Tensor> outputs;
     {
-      // The forward as it ran: the same random draws and casts; what the backward thread had is put
-      // back after.
-      std::vector<GeneratorState> current;
-      for (const auto& g : saved->generators) current.push_back(GeneratorState::of(g.gen));
-      const AutocastState autocast_now = AutocastState::now();
-      for (const auto& g : saved->generators) g.restore();
-      saved->autocast.apply();
-      struct Restore {
-        std::vector<GeneratorState>& gens;
-        const AutocastState& autocast;
-        ~Restore() {
-          for (const auto& g : gens) g.restore();
-          autocast.apply();
-        }
-      } restore{current, autocast_now};
+      Replay replay(*saved);  // the same random draws and casts as the forward
       at::AutoGradMode grad(true);
-      if (saved->options.synchronize) synchronize_devices(saved->devices);
+      if (saved->options.synchronize) synchronize_devices(leaves);
       outputs = saved->fn(leaves);
+    }
+    if (outputs.size() != saved->outputs) {
+      throw Error(fmt::format("zeal::checkpoint: the recomputation returned {} tensors where the forward returned {}: "
+                              "a checkpointed function must return the same tensors each time it runs",
+                              outputs.size(), saved->outputs));
     }
     // Backpropagate through the outputs that had a gradient; the parameters' gradients accumulate
     // into their .grad as in the plain backward.
     std::vector<at::Tensor> outs, out_grads;
     for (size_t i = 0; i < outputs.size() && i < grads.size(); ++i) {
-      if (grads[i].defined() && outputs[i].defined() && outputs[i].requires_grad()) {
+      if (!grads[i].defined()) continue;
+      if (!outputs[i].defined() || outputs[i].sizes() != grads[i].sizes()) {
+        throw Error(fmt::format("zeal::checkpoint: output {} of the recomputation is {} where the forward's was {}: a "
+                                "checkpointed function must return the same tensors each time it runs",
+                                i, outputs[i].defined() ? c10::str(outputs[i].sizes()) : std::string("undefined"),
+                                c10::str(grads[i].sizes())));
+      }
+      if (outputs[i].requires_grad()) {
         outs.push_back(outputs[i]);
         out_grads.push_back(grads[i]);
       }
@@ -164,11 +252,18 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       zero::NestedBackward nested;
       torch::autograd::backward(outs, out_grads);
     }
-    if (saved->options.synchronize) synchronize_devices(saved->devices);
+    if (saved->options.synchronize) synchronize_devices(leaves);
     variable_list input_grads;
     for (const auto& x : leaves) input_grads.push_back(x.requires_grad() ? x.grad() : at::Tensor());
     if (saved->anchored) input_grads.emplace_back();  // the anchor
     input_grads.emplace_back();                       // the capsule
+    if (!torch::autograd::get_current_graph_task_keep_graph()) {
+      // As autograd frees what a node saved once its backward ran: the inputs, fn and what it holds.
+      saved->inputs.clear();
+      saved->fn = nullptr;
+      saved->generators.clear();
+      saved->released = true;
+    }
     return input_grads;
   }
 };
@@ -178,7 +273,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 bool grad_mode_enabled() { return c10::GradMode::is_enabled(); }
 
 std::vector<at::Tensor> checkpoint_flat(FlatFn fn, const std::vector<at::Tensor>& inputs,
-                                        const CheckpointOptions& options) {
+                                        const CheckpointOptions& options, bool anchor) {
   if (!c10::GradMode::is_enabled()) return fn(inputs);
   auto saved = c10::make_intrusive<Saved>();
   saved->fn = std::move(fn);
@@ -189,6 +284,7 @@ std::vector<at::Tensor> checkpoint_flat(FlatFn fn, const std::vector<at::Tensor>
   // an anchor input that asks for one makes the outputs part of the graph.
   std::vector<at::Tensor> args = inputs;
   if (std::none_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.requires_grad(); })) {
+    if (!anchor) return fn(inputs);  // nothing inside needs a gradient: no recomputation either
     args.push_back(at::zeros({}, at::kFloat).requires_grad_(true));
     saved->anchored = true;
   }

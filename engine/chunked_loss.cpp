@@ -121,7 +121,11 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
     const auto f32 = hidden.options().dtype(p.acc);
     // Each token's share of the loss's gradient: 0 for the ignored ones.
     at::Tensor g = grads[0].to(p.acc);
-    if (reduction == 0) g = g / ctx->saved_data["count"].toDouble();
+    if (reduction == 0) {
+    // A mean over no token (every target ignored) is NaN, as torch's; its gradient is zero, as torch's.
+    const double count = ctx->saved_data["count"].toDouble();
+    g = count > 0 ? g / count : at::zeros_like(g);
+  }
     at::Tensor scale = (reduction == 2 ? g.reshape({N}) : g.expand({N})) * (targets != ignore_index).to(p.acc);
     const at::Tensor h = hidden.to(p.compute).contiguous(), w = weight.to(p.compute).contiguous();
     const at::Tensor h32 = p.widen ? h.to(at::kFloat) : at::Tensor();

@@ -13,8 +13,9 @@
 //
 // The products run in the compute dtype as zeal::linear runs them (autocast's dtype when it is on;
 // fp32 from bf16/fp16 operands on CPUs without instructions for them), the softmax in fp32; each
-// gradient is accumulated in fp32 and rounded once to its input's dtype. Matches the plain
-// computation up to the order of the sums.
+// block's share of a gradient is one product in the compute dtype (rounded to it, as a linear layer's
+// output is), the shares are summed in fp32 and the sum rounded once to the input's dtype. Matches the
+// plain computation up to the order of the sums and those roundings.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -183,6 +183,9 @@ ModelShape hf_config_shape(const std::string& path) {
     m.units.push_back(root);
     for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
     m.transformer = ModelShape::Transformer{layers, h, heads, vocab, ffn};
+    // Two RMSNorms' inputs and outputs, q, k, v, the rotated q and k, the attention's output; the
+    // gate's and up projection's outputs, the activated gate and the product.
+    m.transformer->kept_per_token = 4 * h + (h + 2 * kv_dim) + (h + kv_dim) + h + 4 * ffn;
   } else {  // BERT and its kin: embeddings (word, position, type, LayerNorm), blocks, pooler
     const int64_t ffn = get({"intermediate_size"}), ctx = get({"max_position_embeddings"});
     const int64_t types = j.contains("type_vocab_size") ? j["type_vocab_size"].get<int64_t>() : 2;
@@ -392,12 +395,15 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   BlockActivations acts;
   double logits = 0, logits_grad = 0, head_grad = 0;
   const double train = r.trainable_params >= 0 ? std::min(psi, static_cast<double>(r.trainable_params)) : psi;
-  const bool frozen_head = train < psi;  // LoRA: the head is part of the frozen base
+  const bool frozen_head = train < psi && r.frozen_head;  // LoRA: the head is part of the frozen base
   if (m.transformer) {
     const auto& t = *m.transformer;
     const double tokens = static_cast<double>(r.micro_batch * r.seq_len);
-    double block = tokens * (8.0 * t.hidden + 2.0 * t.ffn) * static_cast<double>(P);
-    if (t.attention_dropout > 0) {  // the probabilities, their dropout mask and the dropped ones
+    const double kept = t.kept_per_token > 0 ? static_cast<double>(t.kept_per_token) : 8.0 * t.hidden + 2.0 * t.ffn;
+    double block = tokens * kept * static_cast<double>(P);
+    if (t.attention_dropout > 0 && !r.on_gpu) {
+      // The CPU's attention with dropout: the probabilities, their dropout mask and the dropped ones
+      // (a GPU's fused attention keeps none of them).
       block += static_cast<double>(r.micro_batch) * static_cast<double>(t.heads) * static_cast<double>(r.seq_len) *
                static_cast<double>(r.seq_len) * (2.0 * static_cast<double>(P) + 1.0);
     }
@@ -520,7 +526,7 @@ Report report(const ModelShape& m, const RunShape& base, const std::vector<int>&
               {"activation_checkpointing", base.activation_checkpointing},
               {"checkpoint_interval", base.checkpoint_interval}, {"chunked_loss", base.chunked_loss},
               {"loss_chunk", base.loss_chunk}, {"max_in_cpu", base.max_in_cpu},
-              {"trainable_params", base.trainable_params}};
+              {"trainable_params", base.trainable_params}, {"frozen_head", base.frozen_head}};
   std::string text = fmt::format("zeal estimate-memory: {}, {:.1f} M parameters (largest layer {:.1f} M), {} ranks, {}, "
                                  "{} x {} tokens per rank{}{}{}\n\n",
                                  m.name, static_cast<double>(m.params) / 1e6, static_cast<double>(m.largest_layer) / 1e6,

@@ -55,6 +55,9 @@ struct ModelShape {
     // attention then takes its plain path, which keeps each layer's probabilities, the dropout mask
     // and the dropped probabilities (batch · heads · tokens² each) for the backward.
     double attention_dropout = 0;
+    // Elements a block keeps per token for its backward (0: GPT/BERT's 8·hidden + 2·ffn). LLaMA-style
+    // blocks keep more: rotated q and k beside q, k, v, and a gated MLP's four ffn-wide tensors.
+    int64_t kept_per_token = 0;
   };
   std::optional<Transformer> transformer;
 };
@@ -105,6 +108,9 @@ struct RunShape {
   // Elements that train (-1: all); the others are frozen (LoRA): no gradients, master weights or
   // optimizer states for them.
   int64_t trainable_params = -1;
+  // With trainable_params below the total: whether the LM head is part of the frozen base (LoRA's
+  // case, the default) or trains (the lower layers frozen).
+  bool frozen_head = true;
 };
 
 struct Part {

@@ -8,6 +8,7 @@
 
 #include "engine/error.h"
 
+#include <mutex>
 #include <vector>
 
 namespace zeal::zero {
@@ -43,10 +44,14 @@ struct EndOfBackward::State {
 
 namespace {
 
-// The pass that owns this thread's backward passes while a NestedBackward lives (-1: none), and
-// the requests made inside nested passes, queued on that pass when the outermost scope closes.
-thread_local int t_outer_task = -1;
-thread_local std::vector<std::weak_ptr<EndOfBackward::State>> t_deferred;
+// The pass that owns every backward pass while a NestedBackward lives (-1: none), how many live,
+// and the requests made inside nested passes, queued on that pass when the last one closes. Process
+// wide: a nested pass's nodes may run on other devices' threads (a checkpointed function that spans
+// GPUs) or on autograd's reentrant pool; one training backward runs at a time in a process.
+std::mutex g_mutex;
+int g_outer_task = -1;
+int g_depth = 0;
+std::vector<std::weak_ptr<EndOfBackward::State>> g_deferred;
 
 void queue_end(const std::weak_ptr<EndOfBackward::State>& weak) {
   torch::autograd::Engine::get_default_engine().queue_callback([weak] {
@@ -71,8 +76,10 @@ void EndOfBackward::request() {
   State& s = *state_;
   const int current = torch::autograd::get_current_graph_task_id();
   ZEAL_CHECK(current >= 0) << "EndOfBackward::request outside a backward pass";
-  const bool nested = t_outer_task >= 0;
-  const int task = nested ? t_outer_task : current;
+  std::unique_lock<std::mutex> lock(g_mutex);
+  const bool nested = g_outer_task >= 0;
+  const int task = nested ? g_outer_task : current;
+  if (!nested) lock.unlock();
   if (s.pending && s.task == task) return;
   if (s.pending) {
     // An earlier pass requested the callback and never ran it: it ended with an error.
@@ -82,23 +89,29 @@ void EndOfBackward::request() {
   s.pending = true;
   s.task = task;
   if (nested) {
-    t_deferred.push_back(state_);  // queued on the outer pass once the nested one is over
+    g_deferred.push_back(state_);  // queued on the outer pass once the nested ones are over
   } else {
     queue_end(state_);
   }
 }
 
-NestedBackward::NestedBackward() : outer_task_(torch::autograd::get_current_graph_task_id()), previous_outer_(t_outer_task) {
-  ZEAL_CHECK(outer_task_ >= 0) << "NestedBackward outside a backward pass";
-  if (t_outer_task < 0) t_outer_task = outer_task_;
+NestedBackward::NestedBackward() {
+  const int current = torch::autograd::get_current_graph_task_id();
+  ZEAL_CHECK(current >= 0) << "NestedBackward outside a backward pass";
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_depth++ == 0) g_outer_task = current;
 }
 
 NestedBackward::~NestedBackward() {
-  t_outer_task = previous_outer_;
-  if (t_outer_task >= 0) return;  // an enclosing scope queues them
-  // Back in the outer pass (the thread's current graph task again): its end runs them.
-  auto deferred = std::move(t_deferred);
-  t_deferred.clear();
+  std::vector<std::weak_ptr<EndOfBackward::State>> deferred;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (--g_depth > 0) return;  // a scope still open queues them
+    g_outer_task = -1;
+    deferred = std::move(g_deferred);
+    g_deferred.clear();
+  }
+  // Back in the outer pass (this thread's current graph task again): its end runs them.
   for (const auto& weak : deferred) {
     if (auto st = weak.lock(); st && st->pending) queue_end(weak);
   }

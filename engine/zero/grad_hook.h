@@ -45,19 +45,16 @@ class EndOfBackward {
   std::shared_ptr<State> state_;
 };
 
-// While it lives, the backward passes started on this thread are part of the pass running now
-// (the thread's current graph task, which must exist): zeal::checkpoint's backward holds one around
-// its recomputation's backward. Nests.
+// While one lives, every backward pass in the process is part of the pass that was running when the
+// first was made (this thread's current graph task, which must exist), on whatever thread its nodes
+// run: zeal::checkpoint's backward holds one around its recomputation's backward. Nests; the scope
+// that closes last queues the deferred requests on the outer pass from the thread that made it.
 class NestedBackward {
  public:
   NestedBackward();
   ~NestedBackward();
   NestedBackward(const NestedBackward&) = delete;
   NestedBackward& operator=(const NestedBackward&) = delete;
-
- private:
-  int outer_task_;
-  int previous_outer_;
 };
 
 }  // namespace zeal::zero

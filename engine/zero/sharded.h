@@ -14,8 +14,9 @@
 // (post_backward: the unit is released, frozen parameters included) and its tensor outputs through
 // one identity whose backward fires before the block's (pre_backward: the unit is gathered again);
 // post_forward releases it. Gradients are reduce-scattered into their owners once the block's
-// backward has produced all of them. The block's forward may take any arguments and return a tensor,
-// a std::tuple (a hidden state and a cache, say) or a std::vector of tensors. Under engine.init<M>()
+// backward has produced all of them. The block's forward may take any arguments (the tensors inside
+// std::optional, std::vector and std::tuple arguments are seen too) and return a tensor, an optional
+// or a vector of tensors, or a std::tuple of them (a hidden state and a cache, say). Under engine.init<M>()
 // each Sharded member is partitioned as soon as its block is built.
 //
 // Activation checkpointing (engine/activation_checkpoint.h): a unit set to checkpoint
@@ -36,6 +37,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 namespace zeal {
@@ -86,13 +88,6 @@ class ShardedBase : public torch::nn::Module {
 
 namespace detail {
 
-template <class T>
-constexpr bool is_tensor_v = std::is_same_v<std::remove_cvref_t<T>, at::Tensor>;
-template <class T>
-struct is_tuple : std::false_type {};
-template <class... Ts>
-struct is_tuple<std::tuple<Ts...>> : std::true_type {};
-
 // Tensors that take part in autograd here: defined, floating point, requiring grad.
 inline bool differentiable(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
 
@@ -115,30 +110,29 @@ class ShardedImpl : public ShardedBase {
       ShardedImpl* self;
       ~Release() { self->post_forward(); }
     } release{this};
-    // The differentiable tensor arguments go through the post-backward identity together; every
-    // other argument is passed on untouched.
-    std::vector<at::Tensor> inputs;
-    std::array<int, sizeof...(Args)> slot{};
-    int k = 0;
-    (
-        [&](auto& a) {
-          using A = decltype(a);
-          if constexpr (detail::is_tensor_v<A>) {
-            if (detail::differentiable(a)) {
-              slot[k] = static_cast<int>(inputs.size());
-              inputs.push_back(a);
-            } else {
-              slot[k] = -1;
-            }
-          } else {
-            slot[k] = -1;
-          }
-          ++k;
-        }(args),
-        ...);
-    const std::vector<at::Tensor> marked = inputs.empty() ? inputs : mark_inputs(inputs);
-    auto out = call(marked, slot, std::index_sequence_for<Args...>{}, std::forward<Args>(args)...);
-    return mark_result(std::move(out));
+    // The differentiable tensors of the arguments (tensors, optionals, vectors and tuples of them,
+    // copied) go through the post-backward identity together; every other argument is passed on
+    // untouched.
+    std::tuple<tree_copy_t<Args>...> trees(tree_copy<Args>(args)...);
+    std::vector<at::Tensor*> live;
+    std::apply(
+        [&](auto&... t) {
+          (detail::for_each_tensor(t,
+                                   [&](at::Tensor& x) {
+                                     if (detail::differentiable(x)) live.push_back(&x);
+                                   }),
+           ...);
+        },
+        trees);
+    if (!live.empty()) {
+      std::vector<at::Tensor> inputs;
+      for (auto* x : live) inputs.push_back(*x);
+      const std::vector<at::Tensor> marked = mark_inputs(inputs);
+      for (size_t i = 0; i < live.size(); ++i) *live[i] = marked[i];
+    }
+    return [&]<size_t... I>(std::index_sequence<I...>) {
+      return mark_result(run_block(pick<I, Args>(trees, std::forward<Args>(args))...));
+    }(std::index_sequence_for<Args...>{});
   }
 
   std::shared_ptr<torch::nn::Module> block() const override { return inner.ptr(); }
@@ -146,126 +140,60 @@ class ShardedImpl : public ShardedBase {
   M inner;
 
  private:
-  template <class... Args, size_t... I>
-  auto call(const std::vector<at::Tensor>& marked, const std::array<int, sizeof...(Args)>& slot,
-            std::index_sequence<I...>, Args&&... args) {
-    return run_block(pass<I>(marked, slot, std::forward<Args>(args))...);
+  template <class A>
+  using tree_copy_t = std::conditional_t<detail::is_tensor_tree<A>, std::decay_t<A>, std::monostate>;
+
+  template <class A>
+  static tree_copy_t<A> tree_copy(const std::remove_reference_t<A>& a) {
+    if constexpr (detail::is_tensor_tree<A>) {
+      return a;
+    } else {
+      return {};
+    }
+  }
+
+  // Argument I: the copy with its marked tensors, or the caller's argument as it came.
+  template <size_t I, class A, class Trees>
+  static decltype(auto) pick(Trees& trees, A&& a) {
+    if constexpr (detail::is_tensor_tree<A>) {
+      return std::decay_t<A>(std::move(std::get<I>(trees)));
+    } else {
+      return static_cast<A&&>(a);
+    }
   }
 
   // The block's forward, under activation checkpointing when this unit asks for it and autograd
-  // records: the defined tensor arguments are the checkpoint's inputs (kept), the rest are copied for
-  // the recomputation.
+  // records (activation_checkpoint.h: the arguments' tensors are the checkpoint's inputs, the other
+  // arguments are copied for the recomputation). A block without trainable parameters whose inputs
+  // need no gradient stays out of the graph.
   template <class... Args>
   auto run_block(Args&&... args) {
     using R = decltype(inner->forward(std::forward<Args>(args)...));
     if (!activation_checkpointing() || !detail::grad_mode_enabled()) {
       return inner->forward(std::forward<Args>(args)...);
     }
-    constexpr size_t N = sizeof...(Args);
-    std::vector<at::Tensor> inputs;
-    std::array<int, N> slot{};
-    auto kept = std::make_tuple(std::decay_t<Args>(args)...);
-    [&]<size_t... I>(std::index_sequence<I...>) {
-      (
-          [&](auto& a) {
-            constexpr size_t i = I;
-            if constexpr (detail::is_tensor_v<decltype(a)>) {
-              slot[i] = a.defined() ? static_cast<int>(inputs.size()) : -1;
-              if (a.defined()) inputs.push_back(a);
-              a = at::Tensor();  // held as the checkpoint's input, not by the recomputation
-            } else {
-              slot[i] = -1;
-            }
-          }(std::get<I>(kept)),
-          ...);
-    }(std::index_sequence_for<Args...>{});
-    auto first = std::make_shared<zeal::detail::FirstResult<R>>();
-    zeal::detail::FlatFn flat = [block = inner, kept, slot, first](const std::vector<at::Tensor>& ins) mutable {
-      R r = [&]<size_t... I>(std::index_sequence<I...>) {
-        return block->forward(argument<I>(kept, slot, ins)...);
-      }(std::index_sequence_for<Args...>{});
-      std::vector<at::Tensor> out;
-      zeal::detail::flatten_into(r, out);
-      if (!first->filled) {
-        first->value = std::move(r);
-        first->filled = true;
-      }
-      return out;
-    };
-    const std::vector<at::Tensor> outs = zeal::detail::checkpoint_flat(std::move(flat), inputs, checkpoint_options());
-    R r = std::exchange(first->value, R{});
-    size_t k = 0;
-    zeal::detail::replace_from(r, outs, k);
-    return r;
-  }
-
-  // Argument I of a recomputation: the checkpoint's input in its slot, or the copy kept.
-  template <size_t I, class Kept, size_t N>
-  static decltype(auto) argument(const Kept& kept, const std::array<int, N>& slot, const std::vector<at::Tensor>& ins) {
-    using A = std::tuple_element_t<I, Kept>;
-    if constexpr (detail::is_tensor_v<A>) {
-      return slot[I] >= 0 ? ins[static_cast<size_t>(slot[I])] : at::Tensor();
-    } else {
-      return static_cast<const A&>(std::get<I>(kept));
-    }
-  }
-
-  template <size_t I, size_t N, class A>
-  static decltype(auto) pass(const std::vector<at::Tensor>& marked, const std::array<int, N>& slot, A&& a) {
-    if constexpr (detail::is_tensor_v<A>) {
-      return slot[I] >= 0 ? at::Tensor(marked[static_cast<size_t>(slot[I])]) : at::Tensor(a);
-    } else {
-      return std::forward<A>(a);
-    }
+    bool trainable = false;
+    for (const auto& p : inner->parameters()) trainable = trainable || p.requires_grad();
+    return detail::checkpoint_call<R>([block = inner](auto&... a) mutable -> R { return block->forward(a...); },
+                                      checkpoint_options(), trainable, std::forward<Args>(args)...);
   }
 
   // The differentiable tensors of the result through the pre-backward identity, in place.
   template <class R>
   R mark_result(R out) {
-    if constexpr (std::is_same_v<R, at::Tensor>) {
-      if (!detail::differentiable(out)) return out;
-      return mark_outputs({out})[0];
-    } else if constexpr (std::is_same_v<R, std::vector<at::Tensor>>) {
-      std::vector<at::Tensor> live;
-      for (auto& t : out)
-        if (detail::differentiable(t)) live.push_back(t);
-      if (live.empty()) return out;
-      const auto marked = mark_outputs(live);
-      size_t j = 0;
-      for (auto& t : out)
-        if (detail::differentiable(t)) t = marked[j++];
-      return out;
-    } else if constexpr (detail::is_tuple<R>::value) {
-      std::vector<at::Tensor> live;
-      std::apply(
-          [&](auto&... e) {
-            (
-                [&](auto& x) {
-                  if constexpr (detail::is_tensor_v<decltype(x)>)
-                    if (detail::differentiable(x)) live.push_back(x);
-                }(e),
-                ...);
-          },
-          out);
-      if (live.empty()) return out;
-      const auto marked = mark_outputs(live);
-      size_t j = 0;
-      std::apply(
-          [&](auto&... e) {
-            (
-                [&](auto& x) {
-                  if constexpr (detail::is_tensor_v<decltype(x)>)
-                    if (detail::differentiable(x)) x = marked[j++];
-                }(e),
-                ...);
-          },
-          out);
-      return out;
-    } else {
-      static_assert(std::is_same_v<R, at::Tensor>,
-                    "a zeal::Sharded block's forward returns a tensor, a std::tuple or a std::vector of tensors");
-      return out;
-    }
+    static_assert(detail::is_tensor_tree<R>,
+                  "a zeal::Sharded block's forward returns a tensor, an optional or a vector of tensors, or a "
+                  "std::tuple of them");
+    std::vector<at::Tensor*> live;
+    detail::for_each_tensor(out, [&](at::Tensor& t) {
+      if (detail::differentiable(t)) live.push_back(&t);
+    });
+    if (live.empty()) return out;
+    std::vector<at::Tensor> outputs;
+    for (auto* t : live) outputs.push_back(*t);
+    const std::vector<at::Tensor> marked = mark_outputs(outputs);
+    for (size_t i = 0; i < live.size(); ++i) *live[i] = marked[i];
+    return out;
   }
 };
 

@@ -30,7 +30,8 @@ int apply_activation_checkpointing(torch::nn::Module& model, const ActivationChe
   int on = 0;
   for (size_t i = 0; i < units.size(); ++i) {
     auto& [name, unit] = units[i];
-    if (config.enabled && !holds_units(*unit) && static_cast<int64_t>(i) % config.unit_interval == 0) {
+    if (config.enabled && !unit->activation_checkpointing() && !holds_units(*unit) &&
+        static_cast<int64_t>(i) % config.unit_interval == 0) {
       unit->set_activation_checkpointing(true, options);
     }
     if (!unit->activation_checkpointing()) continue;
@@ -42,6 +43,11 @@ int apply_activation_checkpointing(torch::nn::Module& model, const ActivationChe
     ++on;
   }
   if (main_process && config.enabled) {
+    if (!units.empty()) {
+      std::fprintf(stderr, "zeal: activation checkpointing: %d of %zu Sharded units recompute their forward in the "
+                   "backward%s\n", on, units.size(),
+                   config.unit_interval > 1 ? fmt::format(" (unit_interval {})", config.unit_interval).c_str() : "");
+    }
     if (units.empty()) {
       std::fprintf(stderr,
                    "zeal: activation_checkpointing is on, but the model has no zeal::Sharded member to checkpoint: "

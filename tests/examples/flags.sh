@@ -51,6 +51,12 @@ check "$zeal" "--node_rank" launch --node_rank -7 /bin/true
 check "$zeal" "--params" estimate-memory --params 1e30 --largest_layer_params 1e6
 check "$zeal" "--micro_batch" estimate-memory --model tiny --micro_batch 9223372036854775807
 check "$zeal" "--largest_layer_params" estimate-memory --params 1e6 --largest_layer_params 1e7
+# Estimator flags that would change nothing are refused, not ignored.
+check "$zeal" "--activation_checkpointing" estimate-memory --params 1e6 --largest_layer_params 1e5 --activation_checkpointing true
+check "$zeal" "--chunked_loss" estimate-memory --params 1e6 --largest_layer_params 1e5 --chunked_loss true
+check "$zeal" "--checkpoint_interval" estimate-memory --model tiny --checkpoint_interval 2
+check "$zeal" "--loss_chunk" estimate-memory --model tiny --loss_chunk 64
+check "$zeal" "--frozen_head" estimate-memory --model tiny --frozen_head false
 check "$zeal" "--max_shard_size" consolidate /nonexistent /tmp/zeal-flags-out --max_shard_size .
 check "$zeal" "--max_shard_size" consolidate /nonexistent /tmp/zeal-flags-out --max_shard_size 1.2.3GB
 check "$zeal" "--mib" offload tune --nvme_path /tmp --mib 17592186044416
