@@ -112,6 +112,7 @@ class DevicePeak {
  public:
   explicit DevicePeak(const at::Device& d) : index_(d.index() < 0 ? 0 : d.index()), on_(d.is_cuda()) {
     if (!on_) return;
+    at::globalContext().lazyInitDevice(d.type());  // the caching allocator exists from here on
     at::accelerator::resetPeakStats(index_);
     start_ = static_cast<double>(at::accelerator::getDeviceStats(index_).allocated_bytes[0].current);
   }

@@ -73,6 +73,9 @@ MemoryTracker::MemoryTracker(Engine& engine, std::string phase) : engine_(engine
   if (on_accelerator(d)) {
     record_.device_label = d.is_cuda() ? "GPU" : c10::DeviceTypeName(d.type(), /*lower_case=*/false);
     try {
+      // The caching allocator exists once the device is initialised: before the first allocation on
+      // it, its statistics would be refused ("Invalid device argument").
+      at::globalContext().lazyInitDevice(d.type());
       at::accelerator::resetPeakStats(d.index() < 0 ? 0 : d.index());
       const auto stats = at::accelerator::getDeviceStats(d.index() < 0 ? 0 : d.index());
       record_.device.begin = stats.allocated_bytes[0].current;

@@ -165,6 +165,16 @@ class GlooCommunicator final : public Communicator {
     options->devices = {make_device(master_addr)};
     pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("zeal/gloo", store), rank,
                                                       world, options);
+    if (world > 1) {
+      // No rank goes on before every rank's mesh is up: a rank that ends at once (an error right
+      // after start-up) would otherwise close sockets a slower peer is still handshaking on, and
+      // that peer would report a Gloo connection error instead of the rank that failed.
+      auto connected = c10::make_intrusive<c10d::PrefixStore>("zeal/gloo/connected", store);
+      connected->set(std::to_string(rank), std::vector<uint8_t>{1});
+      std::vector<std::string> everyone;
+      for (int r = 0; r < world; ++r) everyone.push_back(std::to_string(r));
+      connected->wait(everyone, timeout);
+    }
     ring_thread_ = std::thread([this] { ring_loop(); });
   }
 

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <map>
 
 #include "engine/comm/selfcheck.h"
 #include "tests/engine/engine_harness.h"
@@ -104,11 +105,13 @@ TEST_P(CudaStages, MatchOneLibTorchProcessOnTheGpu) {
     EXPECT_LE(losses, tol.losses);
     EXPECT_GT(err, 0.0) << c.precision << " should not train to fp32's bits: was it used?";
   }
-  EXPECT_LT(got.losses[s.steps - 1].item<double>(), got.losses[0].item<double>());
-  // The parameters moved: the comparison is not between two untouched models.
+  // The parameters moved, far more than the difference judged (rel_diff is at most 1 for a tensor
+  // that starts at zero, so the low precisions' percent-sized differences get a factor of 5). The
+  // losses are of a fresh random batch each step: they need not fall from one step to the next.
   zeal_test::seed(s.seed);
   TinyGpt init(model_options());
-  EXPECT_GT(rel_diff(flat_params(*init), ref.run.params[0]), 100 * std::max(err, 1e-7)) << "the parameters barely moved";
+  const double factor = c.precision == "no" ? 100 : 5;
+  EXPECT_GT(rel_diff(flat_params(*init), ref.run.params[0]), factor * std::max(err, 1e-7)) << "the parameters barely moved";
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, CudaStages,
@@ -121,18 +124,31 @@ INSTANTIATE_TEST_SUITE_P(Cuda, CudaStages,
 // memory): stage 2 with the optimizer in pinned host memory, stage 3 with units gathered on the GPU.
 TEST(CudaEngine, TwoRanksShareTheGpuThroughGloo) {
   ZEAL_NEED_CUDA();
-  for (int stage : {2, 3}) {
-    SCOPED_TRACE("stage " + std::to_string(stage));
+  // Every forked run first (the ranks and the GPU references): the tolerances are modelled in this
+  // process, and what they touch may initialise CUDA here (pinned memory for the offloaded state),
+  // after which zeal::spawn cannot fork ranks that use the GPU.
+  const auto spec = [](int stage) {
     RunSpec s = on_gpu(stage);
     s.world = 2;
     s.accumulation = 2;
     s.env["ZEAL_COMM_BACKEND"] = "gloo";
     if (stage == 2) s.offload = true;  // offload_optimizer.device cpu, pinned
-    const RunResult got = run_engine(s, fmt::format("cuda_gloo_stage{}", stage));
+    return s;
+  };
+  std::map<int, RunResult> runs;
+  std::map<int, GpuReference> refs;
+  for (int stage : {2, 3}) {
+    runs[stage] = run_engine(spec(stage), fmt::format("cuda_gloo_stage{}", stage));
+    refs[stage] = gpu_reference(spec(stage));
+  }
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const RunSpec s = spec(stage);
+    const RunResult& got = runs[stage];
     ASSERT_EQ(got.params.size(), 2u);
     EXPECT_TRUE(at::equal(got.params[1], got.params[0]));
     if (stage == 2) EXPECT_GT(got.memory[0][9].item<double>(), 0) << "no host memory held by the offloaded state";
-    const GpuReference ref = gpu_reference(s);
+    const GpuReference& ref = refs[stage];
     const Spread tol = gpu_tolerance(s, ref);
     const double err = rel_diff(got.params[0], ref.run.params[0]);
     std::printf("[ metric ] GPU, 2 ranks through Gloo, stage %d: parameters %.3g (tolerance %.3g), losses %.3g "
@@ -166,18 +182,26 @@ TEST(CudaEngine, SaveAndResumeGiveTheSameBits) {
 // ranks through Gloo; each checkpointed block ran twice per step.
 TEST(CudaEngine, CheckpointedUnitsWithHostCopiesTrainToTheSameBits) {
   ZEAL_NEED_CUDA();
+  // Without dropout, with it, and with the host copies besides: a failure names which one differs.
   for (int world : {1, 2}) {
-    RunSpec s = on_gpu(world == 1 ? 3 : 2);
-    s.world = world;
-    s.layers = 3;
-    s.dropout = 0.2;
-    if (world == 2) s.env["ZEAL_COMM_BACKEND"] = "gloo";
-    const RunResult plain = run_engine(s, "cuda_plain");
-    s.checkpointing = true;
-    s.cpu_checkpointing = true;
-    const RunResult ckpt = run_engine(s, "cuda_ckpt");
-    for (int r = 0; r < world; ++r) EXPECT_TRUE(at::equal(ckpt.params[r], plain.params[r])) << "world " << world;
-    EXPECT_EQ(ckpt.forwards[0], 2 * plain.forwards[0]);
+    for (auto [dropout, host] : {std::pair{0.0, false}, std::pair{0.2, false}, std::pair{0.2, true}}) {
+      SCOPED_TRACE(fmt::format("world {}, dropout {}, cpu_checkpointing {}", world, dropout, host));
+      RunSpec s = on_gpu(world == 1 ? 3 : 2);
+      s.world = world;
+      s.layers = 3;
+      s.dropout = dropout;
+      if (world == 2) s.env["ZEAL_COMM_BACKEND"] = "gloo";
+      const RunResult plain = run_engine(s, "cuda_plain");
+      s.checkpointing = true;
+      s.cpu_checkpointing = host;
+      const RunResult ckpt = run_engine(s, "cuda_ckpt");
+      for (int r = 0; r < world; ++r) {
+        EXPECT_TRUE(at::equal(ckpt.params[r], plain.params[r]))
+            << "rank " << r << ": largest difference " << (ckpt.params[r] - plain.params[r]).abs().max().item<double>()
+            << "; losses " << (ckpt.losses - plain.losses).abs().max().item<double>() << " apart";
+      }
+      EXPECT_EQ(ckpt.forwards[0], 2 * plain.forwards[0]);
+    }
   }
 }
 

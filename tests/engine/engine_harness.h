@@ -193,6 +193,10 @@ struct Setup {
 
 inline Setup make_setup(const RunSpec& s, const std::function<TinyGpt()>& build = {}) {
   zeal_test::seed(s.seed);
+  // A GPU's default generator starts from a seed of its own, different in every process: seeded
+  // here (in the rank or reference process, which uses CUDA anyway), dropout draws the same masks
+  // in every run.
+  if (s.device == "cuda") at::manual_seed(s.seed);
   TinyGptOptions mo = model_options();
   mo.layers = s.layers;
   mo.dropout = s.dropout;

@@ -40,7 +40,7 @@ struct BlockImpl : torch::nn::Module {
     auto split_heads = [&](const at::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
     at::Tensor q = split_heads(parts[0]), k = split_heads(parts[1]), v = split_heads(parts[2]);
     at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    at::Tensor mask = at::ones({T, T}, at::TensorOptions().dtype(at::kBool)).triu(1);
+    at::Tensor mask = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
     att = at::softmax(att.masked_fill(mask, -1e4), -1);
     at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
     auto drop = [&](const at::Tensor& t) { return dropout > 0 && is_training() ? at::dropout(t, dropout, true) : t; };
