@@ -61,6 +61,10 @@ at::ScalarType grad_dtype(const std::string& name) {
   return at::kFloat;
 }
 
+const char* dtype_name(at::ScalarType t) {
+  return t == at::kHalf ? "fp16" : t == at::kBFloat16 ? "bf16" : "fp32";
+}
+
 // Adam's and AdamW's options have the same fields.
 template <class Options>
 optim::Hyper adam_hyper(const Options& o, const char* name, size_t group) {
@@ -319,6 +323,23 @@ void Engine::finish_prepare() {
   build_zero();
 }
 
+// One line on rank 0 at start: the dtypes gradients are accumulated and reduced in. Unset, both are
+// fp32 even when training in 16 bits, where DeepSpeed reduces in the training dtype: said, so that
+// neither the bytes on the wire nor the rounding surprise anyone.
+void Engine::say_gradient_dtypes(int world) const {
+  if (!is_main_process()) return;
+  const at::ScalarType accum = grad_dtype(config_.grad_accum_dtype), wire = grad_dtype(config_.communication_data_type);
+  std::string line = fmt::format("zeal: gradients accumulate in {}", dtype_name(accum));
+  if (world > 1) {
+    line += fmt::format(" and are reduced across ranks in {}", dtype_name(wire));
+    if (config_.communication_data_type.empty() && compute_dtype_ != at::kFloat) {
+      line += fmt::format(" (communication_data_type unset; DeepSpeed would reduce in {}: set it to {} for half the bytes)",
+                          dtype_name(compute_dtype_), dtype_name(compute_dtype_));
+    }
+  }
+  std::cerr << line << "\n";
+}
+
 void Engine::build_zero() {
   auto& module = *state_->module;
   // Resolve what the program now knows.
@@ -494,6 +515,7 @@ void Engine::build_zero() {
     state_->param_swap =
         std::make_shared<zero::ParamSwap>(swap_dir(config_.zero.offload_param.nvme_path), state_->io, po);
   }
+  say_gradient_dtypes(c.world_size());
   if (stage3) {
     zero::Stage3Options o3;
     o3.compute_dtype = compute_dtype_;
@@ -612,12 +634,15 @@ void Engine::step() {
   }
   if (!sync_ || !state_->grads_pending) return;
   const double clip = config_.gradient_clipping.value;
-  const auto r = state_->zero->step(inv_scale(), clip, learning_rates());
+  const std::vector<double> lrs = learning_rates();
+  const auto r = state_->zero->step(inv_scale(), clip, lrs);
   state_->grads_pending = false;
   last_grad_norm_ = r.grad_norm;
   last_step_skipped_ = !r.stepped;
   if (!r.abandoned.empty()) {
     if (is_main_process()) std::cerr << fmt::format("zeal: optimizer step {} skipped: {}\n", optimizer_steps_ + 1, r.abandoned);
+    ++skipped_steps_;
+    report_progress(lrs);
     return;
   }
   if (state_->scaler) {
@@ -626,7 +651,25 @@ void Engine::step() {
     std::cerr << fmt::format("zeal: optimizer step {} skipped: the gradients hold inf or nan (norm {})\n",
                              optimizer_steps_ + 1, r.grad_norm);
   }
-  if (r.stepped) ++optimizer_steps_;
+  if (r.stepped) {
+    ++optimizer_steps_;
+  } else {
+    ++skipped_steps_;
+  }
+  report_progress(lrs);
+}
+
+// DeepSpeed's steps_per_print: every that many steps (taken or skipped), rank 0 prints the step, the
+// steps skipped, each group's learning rate of that step, the gradient norm and, in fp16, the loss scale.
+void Engine::report_progress(const std::vector<double>& lrs) const {
+  const int64_t steps = optimizer_steps_ + skipped_steps_;
+  if (!is_main_process() || steps % config_.steps_per_print != 0) return;
+  std::string rates;
+  for (size_t g = 0; g < lrs.size(); ++g) rates += fmt::format("{}{:.6g}", g ? ", " : "", lrs[g]);
+  std::string line = fmt::format("zeal: step={}, skipped={}, lr=[{}], grad_norm={:.6g}", steps, skipped_steps_, rates,
+                                 last_grad_norm_);
+  if (state_->scaler) line += fmt::format(", loss_scale={:g}", state_->scaler->scale());
+  std::cerr << line << "\n";
 }
 
 void Engine::zero_grad() {

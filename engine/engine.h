@@ -443,6 +443,8 @@ class Engine {
   int64_t load_weights_sharded(torch::nn::Module& model, const std::string& path,
                                const std::function<std::string(const std::string&)>& map);
   void build_zero();
+  void say_gradient_dtypes(int world) const;
+  void report_progress(const std::vector<double>& lrs) const;
   void begin_micro_step();
   void scheduler_step(int index);
   double scheduler_last_lr(int index) const;
@@ -460,6 +462,7 @@ class Engine {
   bool last_step_skipped_ = false;
   double last_grad_norm_ = 0;
   int64_t micro_steps_ = 0, optimizer_steps_ = 0;
+  int64_t skipped_steps_ = 0;  // steps an overflow or a failed check skipped (steps_per_print's count)
   std::unique_ptr<State> state_;
 };
 

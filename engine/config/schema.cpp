@@ -267,9 +267,9 @@ std::vector<Field> make_fields() {
   f.push_back(auto_float("gradient_clipping", ZEAL_GET(gradient_clipping), kNonNegative,
                          "Clip the global gradient norm to this (0: off)"));
   f.push_back(int_field("steps_per_print", ZEAL_GET(steps_per_print), 1, kMaxInt,
-                        "Print progress every this many optimizer steps"));
+                        "Rank 0 prints DeepSpeed's progress line (step, skipped, lr, grad_norm) every this many steps"));
   f.push_back(bool_field("wall_clock_breakdown", ZEAL_GET(wall_clock_breakdown),
-                         "Print forward/backward/step timings"));
+                         "Accepted; no timing breakdown is printed yet"));
   // ZeRO.
   f.push_back(int_field("zero_optimization.stage", ZEAL_GET(zero.stage), 0, 3,
                         "0: replicate (DDP); 1: shard optimizer states; 2: + gradients; 3: + parameters"));
@@ -285,8 +285,18 @@ std::vector<Field> make_fields() {
                         "Window sets of the nvme optimizer step (up to 3 used)"));
   f.push_back(bool_field("zero_optimization.offload_optimizer.fast_init",
                          ZEAL_GET(zero.offload_optimizer.fast_init), "Skip writing initial states to nvme"));
-  f.push_back(float_field("zero_optimization.offload_optimizer.ratio", ZEAL_GET(zero.offload_optimizer.ratio),
-                          kUnit, "Fraction of optimizer states offloaded"));
+  // DeepSpeed's partial offload (ZeRO-Offload++): zeal offloads all of the state or none of it.
+  f.push_back({"zero_optimization.offload_optimizer.ratio", "float", "Fraction of optimizer states offloaded: 1.0 only",
+               [](Config& c, const YAML::Node& n) {
+                 const double r = read_float(n, kUnit);
+                 if (r != 1.0) {
+                   throw ValueError{fmt::format("{} would offload part of the optimizer state; zeal offloads all of it "
+                                                "or none (DeepSpeed's partial offload is not implemented): set 1.0 or "
+                                                "leave it out", fmt_float(r))};
+                 }
+                 c.zero.offload_optimizer.ratio = r;
+               },
+               [](const Config& c) { return fmt_float(c.zero.offload_optimizer.ratio); }});
   f.push_back(device_field("zero_optimization.offload_param.device", ZEAL_GET(zero.offload_param.device),
                            "Where released parameter shards live (stage 3)"));
   f.push_back(string_field("zero_optimization.offload_param.nvme_path", ZEAL_GET(zero.offload_param.nvme_path),

@@ -42,6 +42,9 @@ const BadConfig kCases[] = {
      {"bad.yaml:4:13", "zero_optimization.offload_optimizer.device", "none, cpu, nvme"}},
     {"NegativeClipping", "gradient_clipping: -1\n", {"gradient_clipping", "a number ≥ 0", "\"-1\""}},
     // Keys zeal accepts without effect, refused where their value would change the math.
+    {"PartialOptimizerOffloadIsRefused",
+     "zero_optimization:\n  stage: 3\n  offload_optimizer:\n    device: cpu\n    ratio: 0.3\n",
+     {"bad.yaml:5:12", "zero_optimization.offload_optimizer.ratio", "offloads all of it or none"}},
     {"QuantizedWeightsAreRefused", "zero_optimization:\n  stage: 3\n  zero_quantized_weights: true\n",
      {"bad.yaml:3:3", "zero_optimization.zero_quantized_weights", "does not quantize"}},
     {"QuantizedGradientsAreRefused", "zero_optimization:\n  stage: 3\n  zero_quantized_gradients: true\n",

@@ -13,7 +13,26 @@ trap 'rm -f "$log" "$config" "$resumed"; rm -rf "$ckpt"' EXIT
 out=$(mktemp)
 trap 'rm -f "$log" "$config" "$resumed" "$out"; rm -rf "$ckpt"' EXIT
 "$zeal" launch --num_processes 2 --main_process_port 29533 "$train_gpt" --config_file "$config" --model tiny --steps 40 --seq_len 32 --micro_batch 8 \
-  --data README.md docs/*.md --log_every 10 --log_jsonl "$log" --save_dir "$ckpt" --save_every 10 | tee "$out"
+  --data README.md docs/*.md --log_every 10 --log_jsonl "$log" --save_dir "$ckpt" --save_every 10 2>&1 | tee "$out"
+# Rank 0 says the dtypes gradients accumulate and are reduced in; in bf16 with
+# communication_data_type unset, that DeepSpeed would reduce in bf16; set, it is followed.
+grep -q '^\[rank 0\] zeal: gradients accumulate in fp32 and are reduced across ranks in fp32$' "$out" ||
+  { echo "FAIL: no line naming the gradients' dtypes in an fp32 run" >&2; exit 1; }
+said=$("$zeal" launch --num_processes 2 --main_process_port 29539 --mixed_precision bf16 "$train_gpt" --config_file "$config" \
+  --model tiny --steps 1 --seq_len 16 --micro_batch 2 --data README.md 2>&1)
+grep -q 'reduced across ranks in fp32 (communication_data_type unset; DeepSpeed would reduce in bf16' <<<"$said" ||
+  { echo "FAIL: a bf16 run does not say its gradients are reduced in fp32: $said" >&2; exit 1; }
+wire=$(mktemp --suffix=.yaml)
+{ cat "$config"; echo "communication_data_type: bf16"; } > "$wire"
+said=$("$zeal" launch --num_processes 2 --main_process_port 29539 --mixed_precision bf16 \
+  "$train_gpt" --config_file "$wire" --model tiny --steps 1 --seq_len 16 --micro_batch 2 --data README.md 2>&1)
+rm -f "$wire"
+grep -q 'zeal: gradients accumulate in fp32 and are reduced across ranks in bf16$' <<<"$said" ||
+  { echo "FAIL: communication_data_type bf16 is not the dtype said: $said" >&2; exit 1; }
+# steps_per_print (DeepSpeed's default 10): rank 0's progress line at steps 10, 20, 30 and 40 only.
+[ "$(grep -c '^\[rank 0\] zeal: step=[0-9]*, skipped=0, lr=\[[0-9.e-]*\], grad_norm=[0-9.e+-]*$' "$out")" -eq 4 ] &&
+  grep -q '^\[rank 0\] zeal: step=40, ' "$out" && ! grep -q '^\[rank 1\] zeal: step=' "$out" ||
+  { echo "FAIL: not four progress lines from rank 0 at steps 10-40:" >&2; grep 'zeal: step=' "$out" >&2; exit 1; }
 # The memory report: PEFT's four CPU lines for the train phase, whole MB, total = before + peak.
 mb() { sed -n "s/^\[rank 0\] CPU $1 the train $2: \([0-9-]*\)$/\1/p" "$out"; }
 before=$(mb "Memory before entering" "") consumed=$(mb "Memory consumed at the end of" "(end-begin)")
