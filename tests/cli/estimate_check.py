@@ -9,7 +9,7 @@
   model transformers builds from the same config (on the meta device).
 - Errors: no model, --params without --largest_layer_params, an unknown preset: exit status 2,
   naming the flag.
-Exit 77 (skip) when deepspeed or transformers cannot be imported.
+Exit 77 (skip) when deepspeed or transformers cannot be imported; 1 under ZEAL_REQUIRE_PEERS=1.
 """
 import contextlib, io, json, os, subprocess, sys, tempfile
 
@@ -23,7 +23,7 @@ try:
                                                       estimate_zero2_model_states_mem_needs_all_cold)
 except Exception as e:  # noqa: BLE001
     print(f"SKIP: the peers' Python lacks deepspeed or transformers: {e}")
-    sys.exit(77)
+    sys.exit(1 if os.environ.get("ZEAL_REQUIRE_PEERS") == "1" else 77)
 
 failures = 0
 

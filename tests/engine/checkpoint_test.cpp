@@ -658,6 +658,10 @@ TEST(CheckpointFormat, PythonSafetensorsReadsTheFiles) {
     python = (fs::path(home) / ".cache/zeal/peers/bin/python").string();  // scripts/peers' default
   }
   if (std::system((python + " -c 'import safetensors, torch' 2>/dev/null").c_str()) != 0) {
+    const char* required = std::getenv("ZEAL_REQUIRE_PEERS");
+    if (required && std::string(required) == "1") {
+      FAIL() << python << " has no safetensors and torch, and ZEAL_REQUIRE_PEERS=1 (CI) needs this cross-check to run";
+    }
     GTEST_SKIP() << python << " has no safetensors and torch (scripts/peers installs them; ZEAL_PEERS_PYTHON names it)";
   }
   const std::string ckpt = saved_checkpoint("ckpt_python", frozen(spec(3, 2, "bf16")));

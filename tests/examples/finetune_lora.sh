@@ -7,7 +7,8 @@ set -euo pipefail
 zeal=$1 finetune=$2
 home=${HOME:-$(getent passwd "$(id -u)" | cut -d: -f6)}
 model=${ZEAL_MINILM:-${ZEAL_MODELS:-$home/.cache/zeal/models}/all-MiniLM-L6-v2}
-[ -f "$model/model.safetensors" ] || { echo "SKIP: no all-MiniLM-L6-v2 in $model"; exit 77; }
+. tests/peers_skip.sh
+[ -f "$model/model.safetensors" ] || skip_or_fail "no all-MiniLM-L6-v2 in $model (scripts/setup installs it)"
 command -v apt-cache >/dev/null || { echo "SKIP: no apt-cache to list package descriptions"; exit 77; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
