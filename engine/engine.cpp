@@ -22,6 +22,7 @@
 #include <unordered_map>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "engine/engine_state.h"
 #include "engine/error.h"
@@ -516,6 +517,11 @@ void Engine::build_zero() {
         std::make_shared<zero::ParamSwap>(swap_dir(config_.zero.offload_param.nvme_path), state_->io, po);
   }
   say_gradient_dtypes(c.world_size());
+  if (!config_.zero.unit_names.empty() && is_main_process()) {
+    std::cerr << fmt::format("zeal: zero_optimization.unit_names (fsdp_transformer_layer_cls_to_wrap) [{}] is not "
+                             "applied: stage 3's units are the model's zeal::Sharded members\n",
+                             fmt::join(config_.zero.unit_names, ", "));
+  }
   if (stage3) {
     zero::Stage3Options o3;
     o3.compute_dtype = compute_dtype_;

@@ -357,6 +357,12 @@ std::vector<std::string> Config::validate() const {
     errors.push_back(fmt::format("{}: min_loss_scale {} is above the initial scale 2^{}",
                                  named(*this, "fp16.min_loss_scale"), fp16.min_loss_scale, fp16.initial_scale_power));
 
+  if (z.hybrid_shard && launch.num_machines > 1)
+    errors.push_back(fmt::format("{}: sharding inside each machine and replicating across machines is not "
+                                 "implemented: zeal would shard across all {} machines' ranks; use full sharding "
+                                 "(fsdp_sharding_strategy FULL_SHARD, or hybrid_shard false)",
+                                 named(*this, "zero_optimization.hybrid_shard"), launch.num_machines));
+
   if (!errors.empty()) throw ConfigError(errors);
 
   // Accepted, but worth saying.
