@@ -540,7 +540,7 @@ void Engine::build_zero() {
     for (auto& g : groups) g3.push_back({std::move(g.params), std::move(g.names), std::move(g.optimizer)});
     state_->zero = std::make_unique<zero::Stage3>(c, module, std::move(g3), o3, state_->init_shards);
     state_->init_shards.reset();
-    state_->config_schedule = optim::make_schedule(config_.scheduler, state_->base_lrs.at(0));
+    make_config_schedules();
     return;
   }
   zero::GroupOptions o;
@@ -552,7 +552,18 @@ void Engine::build_zero() {
   o.overlap_comm = config_.zero.overlap_comm;
   o.offload = state_->offload;
   state_->zero = std::make_unique<zero::ZeroOptimizer>(c, std::move(groups), o);
-  state_->config_schedule = optim::make_schedule(config_.scheduler, state_->base_lrs.at(0));
+  make_config_schedules();
+}
+
+// DeepSpeed's rule for its schedulers: WarmupLR and WarmupDecayLR give every group the configured
+// rates (a scalar warmup_max_lr is copied to each); WarmupCosineLR scales each group's own rate.
+void Engine::make_config_schedules() {
+  state_->config_schedules.clear();
+  for (double base : state_->base_lrs) {
+    std::shared_ptr<optim::LrSchedule> s = optim::make_schedule(config_.scheduler, base);
+    if (!s) return;
+    state_->config_schedules.push_back(std::move(s));
+  }
 }
 
 // --- the step ----------------------------------------------------------------------------------
@@ -616,13 +627,30 @@ double Engine::inv_scale() const { return state_->scaler ? 1.0 / state_->scaler-
 
 double Engine::loss_scale() const { return state_->scaler ? state_->scaler->scale() : 1.0; }
 
+std::vector<double> Engine::get_lr() const {
+  if (!state_->zero) throw Error("engine.get_lr: prepare the model and an optimizer first");
+  return learning_rates();
+}
+
 std::vector<double> Engine::learning_rates() const {
   const size_t n = state_->zero->num_groups();
-  std::shared_ptr<optim::LrSchedule> zeal_schedule = state_->config_schedule;
+  std::shared_ptr<optim::LrSchedule> prepared;
   for (auto& s : state_->schedulers) {
-    if (s.zeal) zeal_schedule = s.zeal;
+    if (s.zeal) prepared = s.zeal;
   }
-  if (zeal_schedule) return std::vector<double>(n, zeal_schedule->lr_at(optimizer_steps_));
+  if (prepared) {
+    // PyTorch's and Hugging Face's rule: a schedule scales each group's own rate. The program's
+    // schedule gives group 0's rate; every other group keeps its ratio to group 0's base rate.
+    const double lr = prepared->lr_at(optimizer_steps_), base0 = state_->base_lrs.at(0);
+    std::vector<double> out(n, lr);
+    for (size_t g = 1; g < n && base0 > 0; ++g) out[g] = lr * state_->base_lrs.at(g) / base0;
+    return out;
+  }
+  if (!state_->config_schedules.empty()) {
+    std::vector<double> out;
+    for (size_t g = 0; g < n; ++g) out.push_back(state_->config_schedules.at(g)->lr_at(optimizer_steps_));
+    return out;
+  }
   if (state_->torch_optimizer) {
     std::vector<double> out;
     for (auto& g : state_->torch_optimizer->param_groups()) out.push_back(g.options().get_lr());

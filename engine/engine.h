@@ -251,6 +251,11 @@ class Engine {
   at::Tensor full_grad(const at::Tensor& param);
   double last_grad_norm() const { return last_grad_norm_; }
   double loss_scale() const;
+  // DeepSpeed's get_lr: the learning rate of each parameter group for the next optimizer step, as
+  // the scheduler gives it (the config's: WarmupLR and WarmupDecayLR the same rates for every group,
+  // WarmupCosineLR a fraction of each group's own; one the program prepared: a factor of each
+  // group's own rate, as PyTorch's and Hugging Face's schedulers; none: the optimizer's rates).
+  std::vector<double> get_lr() const;
 
   // Autocast to the compute dtype on this device while the guard lives (no-op in fp32).
   class [[nodiscard]] AutocastGuard {
@@ -449,6 +454,7 @@ class Engine {
   void scheduler_step(int index);
   double scheduler_last_lr(int index) const;
   std::vector<double> learning_rates() const;
+  void make_config_schedules();
   double inv_scale() const;
 
   struct State;

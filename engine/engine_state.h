@@ -38,7 +38,8 @@ struct Engine::State {
     int64_t seen_steps = 0;  // optimizer steps this scheduler has been stepped for
   };
   std::vector<Scheduler> schedulers;
-  std::shared_ptr<optim::LrSchedule> config_schedule;
+  // The config's scheduler, one per parameter group (WarmupCosineLR scales each group's own rate).
+  std::vector<std::shared_ptr<optim::LrSchedule>> config_schedules;
   std::vector<double> base_lrs;  // per group, when no LibTorch optimizer gives them
   std::unique_ptr<LossScaler> scaler;
   std::shared_ptr<data::Progress> progress = std::make_shared<data::Progress>();
