@@ -178,9 +178,10 @@ TEST(MemoryTracker, BreakdownAddsUpToTheMeasuredPeak) {
 // over prepare and the first step of a 4 M-parameter model (fp32 AdamW, no master copy), the
 // resident set grows by at least the gradients and Adam's states engine.memory() counts (48 MiB at
 // stage 0; at stage 1 on two ranks each rank's states are half). What grows beyond them is printed,
-// not bounded: it was 14 MiB at stage 0 and 24-32 MiB per rank at stage 1 (reduction and gather staging
-// that engine.memory() reports as 0 workspace), which the breakdown files under "activations and
-// the rest". Measured with blocks of a MiB or more always mapped, so nothing freed stays resident.
+// not bounded: it was 14 MiB at stage 0 and 24-32 MiB per rank at stage 1, not yet attributed
+// (engine.memory() reports 0 workspace; stage 1's reduction and gather staging are the suspects), and
+// the breakdown files it under "activations and the rest". Measured with blocks of a MiB or more
+// always mapped, so nothing freed stays resident.
 TEST(MemoryTracker, CountedStatesAreResident) {
   for (const auto& [stage, world] : {std::pair{0, 1}, std::pair{1, 2}}) {
     SCOPED_TRACE(fmt::format("stage {}, {} ranks", stage, world));
