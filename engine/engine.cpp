@@ -558,6 +558,9 @@ void Engine::build_zero() {
 // DeepSpeed's rule for its schedulers: WarmupLR and WarmupDecayLR give every group the configured
 // rates (a scalar warmup_max_lr is copied to each); WarmupCosineLR scales each group's own rate.
 void Engine::make_config_schedules() {
+  // wall_clock_breakdown's first mark: the end of prepare (the first forward is timed from here).
+  state_->wall.mark = std::chrono::steady_clock::now();
+  state_->wall.marked = true;
   state_->config_schedules.clear();
   for (double base : state_->base_lrs) {
     std::shared_ptr<optim::LrSchedule> s = optim::make_schedule(config_.scheduler, base);
@@ -603,6 +606,12 @@ void Engine::backward(const at::Tensor& loss) {
                 "reduce them in place); add the losses and call it once");
   }
   state_->backward_in_micro_step = true;
+  if (config_.wall_clock_breakdown) {
+    synchronize();
+    auto& w = state_->wall;
+    w.backward_start = std::chrono::steady_clock::now();
+    if (w.marked) w.forward += std::chrono::duration<double, std::milli>(w.backward_start - w.mark).count();
+  }
   double factor = 1.0 / static_cast<double>(accumulation_steps_);
   if (state_->scaler) factor *= state_->scaler->scale();
   try {
@@ -616,6 +625,13 @@ void Engine::backward(const at::Tensor& loss) {
   }
   state_->zero->end_backward();
   state_->grads_pending = true;
+  if (config_.wall_clock_breakdown) {
+    synchronize();
+    auto& w = state_->wall;
+    w.mark = std::chrono::steady_clock::now();
+    w.marked = true;
+    w.backward += std::chrono::duration<double, std::milli>(w.mark - w.backward_start).count();
+  }
 }
 
 at::Tensor Engine::full_grad(const at::Tensor& param) {
@@ -667,6 +683,11 @@ void Engine::step() {
     state_->grads_pending = true;
   }
   if (!sync_ || !state_->grads_pending) return;
+  std::chrono::steady_clock::time_point step_start{};
+  if (config_.wall_clock_breakdown) {
+    synchronize();
+    step_start = std::chrono::steady_clock::now();
+  }
   const double clip = config_.gradient_clipping.value;
   const std::vector<double> lrs = learning_rates();
   const auto r = state_->zero->step(inv_scale(), clip, lrs);
@@ -690,12 +711,20 @@ void Engine::step() {
   } else {
     ++skipped_steps_;
   }
+  if (config_.wall_clock_breakdown) {
+    synchronize();
+    auto& w = state_->wall;
+    w.mark = std::chrono::steady_clock::now();
+    w.marked = true;
+    w.step += std::chrono::duration<double, std::milli>(w.mark - step_start).count();
+    ++w.steps;
+  }
   report_progress(lrs);
 }
 
 // DeepSpeed's steps_per_print: every that many steps (taken or skipped), rank 0 prints the step, the
 // steps skipped, each group's learning rate of that step, the gradient norm and, in fp16, the loss scale.
-void Engine::report_progress(const std::vector<double>& lrs) const {
+void Engine::report_progress(const std::vector<double>& lrs) {
   const int64_t steps = optimizer_steps_ + skipped_steps_;
   if (!is_main_process() || steps % config_.steps_per_print != 0) return;
   std::string rates;
@@ -704,6 +733,16 @@ void Engine::report_progress(const std::vector<double>& lrs) const {
                                  last_grad_norm_);
   if (state_->scaler) line += fmt::format(", loss_scale={:g}", state_->scaler->scale());
   std::cerr << line << "\n";
+  // wall_clock_breakdown: the mean per optimizer step since the last line. "forward" is everything
+  // from the end of the previous backward or step to the next backward (the forward, and the data).
+  auto& w = state_->wall;
+  if (config_.wall_clock_breakdown && w.steps > 0) {
+    const double n = static_cast<double>(w.steps);
+    std::cerr << fmt::format("zeal: time (ms) per step, mean of {} | forward: {:.2f} | backward: {:.2f} | step: {:.2f}\n",
+                             w.steps, w.forward / n, w.backward / n, w.step / n);
+  }
+  w.forward = w.backward = w.step = 0;
+  w.steps = 0;
 }
 
 void Engine::zero_grad() {

@@ -449,7 +449,7 @@ class Engine {
                                const std::function<std::string(const std::string&)>& map);
   void build_zero();
   void say_gradient_dtypes(int world) const;
-  void report_progress(const std::vector<double>& lrs) const;
+  void report_progress(const std::vector<double>& lrs);
   void begin_micro_step();
   void scheduler_step(int index);
   double scheduler_last_lr(int index) const;

@@ -2,6 +2,7 @@
 // code). Internal: not installed for programs.
 #pragma once
 
+#include <chrono>
 #include <future>
 #include <map>
 #include <memory>
@@ -66,6 +67,13 @@ struct Engine::State {
   std::future<std::string> saving;
   std::string saving_dir;
   std::future<void> cleanup;
+  // wall_clock_breakdown: milliseconds since the last report, the device synchronised at each edge.
+  struct WallClock {
+    std::chrono::steady_clock::time_point mark{}, backward_start{};
+    bool marked = false;
+    double forward = 0, backward = 0, step = 0;
+    int64_t steps = 0;
+  } wall;
 };
 
 }  // namespace zeal

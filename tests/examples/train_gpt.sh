@@ -23,12 +23,15 @@ said=$("$zeal" launch --num_processes 2 --main_process_port 29539 --mixed_precis
 grep -q 'reduced across ranks in fp32 (communication_data_type unset; DeepSpeed would reduce in bf16' <<<"$said" ||
   { echo "FAIL: a bf16 run does not say its gradients are reduced in fp32: $said" >&2; exit 1; }
 wire=$(mktemp --suffix=.yaml)
-{ cat "$config"; echo "communication_data_type: bf16"; } > "$wire"
+{ cat "$config"; echo "communication_data_type: bf16"; echo "steps_per_print: 2"; echo "wall_clock_breakdown: true"; } > "$wire"
 said=$("$zeal" launch --num_processes 2 --main_process_port 29539 --mixed_precision bf16 \
-  "$train_gpt" --config_file "$wire" --model tiny --steps 1 --seq_len 16 --micro_batch 2 --data README.md 2>&1)
+  "$train_gpt" --config_file "$wire" --model tiny --steps 4 --seq_len 16 --micro_batch 2 --data README.md 2>&1)
 rm -f "$wire"
 grep -q 'zeal: gradients accumulate in fp32 and are reduced across ranks in bf16$' <<<"$said" ||
   { echo "FAIL: communication_data_type bf16 is not the dtype said: $said" >&2; exit 1; }
+# wall_clock_breakdown with steps_per_print 2: after steps 2 and 4, rank 0's mean times of 2 steps.
+[ "$(grep -c '^\[rank 0\] zeal: time (ms) per step, mean of 2 | forward: [0-9.]* | backward: [0-9.]*[1-9][0-9.]* | step: [0-9.]*$' <<<"$said")" -eq 2 ] ||
+  { echo "FAIL: not two wall-clock lines after steps 2 and 4: $said" >&2; exit 1; }
 # An FSDP file's fsdp_transformer_layer_cls_to_wrap (unit_names) is not applied: rank 0 says so.
 said=$("$zeal" launch --num_processes 2 --main_process_port 29539 "$train_gpt" --config_file configs/fsdp_full_shard.yaml \
   --model tiny --steps 1 --seq_len 16 --micro_batch 2 --data README.md 2>&1)
