@@ -1014,6 +1014,7 @@ MemoryReport Engine::memory() const {
     }
     for (auto& b : state_->module->buffers(true)) m.buffers += b.nbytes();
   }
+  if (runtime_) m.comm_buffers = runtime_->comm().buffer_bytes();
   return m;
 }
 

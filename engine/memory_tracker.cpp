@@ -176,6 +176,7 @@ std::vector<PhaseMemory::Part> PhaseMemory::breakdown() const {
   const int64_t offload_extra = host_states ? std::max<int64_t>(0, e.offload_host_peak - e.master - e.optimizer_states)
                                             : e.offload_host_peak;
   if (offload_extra > 0) parts.push_back({"offload buffers", offload_extra});
+  if (e.comm_buffers > 0) parts.push_back({"communication buffers", e.comm_buffers});
   int64_t named = 0;
   for (const auto& p : parts) named += p.bytes;
   parts.push_back({"activations and the rest", cpu.peak - named});

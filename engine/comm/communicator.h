@@ -101,6 +101,8 @@ class Communicator {
   virtual void check_agreement(const std::string& where) = 0;
   // The deadline of every collective and agreement point from now on, in seconds.
   virtual void set_timeout(double seconds) = 0;
+  // Host memory this communicator keeps between collectives (Gloo's ring scratch), in bytes.
+  virtual int64_t buffer_bytes() const { return 0; }
 
   // The label of the collectives this communicator issues now (see CollectiveLabel).
   const std::string& label() const { return label_; }

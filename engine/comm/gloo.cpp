@@ -14,6 +14,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <future>
@@ -192,6 +193,7 @@ class GlooCommunicator final : public Communicator {
   std::string backend() const override { return "gloo"; }
   uint64_t sequence() const override { return monitor_.sequence(); }
   void set_progress(int64_t step, int64_t micro_step) override { monitor_.set_progress(step, micro_step); }
+  int64_t buffer_bytes() const override { return scratch_bytes_.load(); }
   void check_agreement(const std::string& where) override { monitor_.check_agreement(where); }
   void set_timeout(double seconds) override {
     monitor_.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)));
@@ -321,6 +323,7 @@ class GlooCommunicator final : public Communicator {
     // after they complete, so a buffer made per call would linger unpredictably).
     if (!scratch_[0].defined() || scratch_[0].scalar_type() != in.scalar_type() || scratch_[0].numel() < window) {
       for (auto& t : scratch_) t = at::empty({window}, in.options());
+      scratch_bytes_ = 3 * window * static_cast<int64_t>(in.element_size());
     }
     at::Tensor* scratch = scratch_;
     auto mod = [&](int64_t x) { return ((x % world_) + world_) % world_; };
@@ -384,6 +387,7 @@ class GlooCommunicator final : public Communicator {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::mutex ring_mu_;
   std::condition_variable ring_cv_;
+  std::atomic<int64_t> scratch_bytes_{0};  // what scratch_ holds, for buffer_bytes() from other threads
   at::Tensor scratch_[3];  // three windows of the largest reduce-scatter so far; the ring thread's
   struct RingJob {
     std::function<void()> run;

@@ -47,6 +47,7 @@ class StagingCommunicator final : public Communicator {
   void set_progress(int64_t step, int64_t micro_step) override { host_->set_progress(step, micro_step); }
   void check_agreement(const std::string& where) override { host_->check_agreement(where); }
   void set_timeout(double seconds) override { host_->set_timeout(seconds); }
+  int64_t buffer_bytes() const override { return host_->buffer_bytes(); }
 
   Work all_gather(const at::Tensor& shard, const at::Tensor& output) override {
     const auto device = common_device("all_gather", {&shard, &output});
