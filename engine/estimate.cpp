@@ -369,7 +369,8 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   p.model_state_bytes = static_cast<int64_t>(states);
   // Shards past max_in_cpu are read from disk ahead of their units' gathers: up to
   // offload_param.buffer_count reads in flight, each a unit's shard, and the shard of the unit being
-  // gathered (gpt2-small on 2 ranks with 2/3 of its shards on disk: 6 x 14 MiB measured).
+  // gathered (gpt2-small on 2 ranks with 2/3 of its shards on disk: 6 x 14 MiB measured). The
+  // optimizer step holds fewer: it brings the trainable shards in one unit at a time.
   if (r.stage == 3 && r.offload_param == Offload::kNvme && m.units.size() >= 2) {
     const double on_disk = p_share - std::min(p_share, static_cast<double>(r.max_in_cpu));
     const double largest_unit = static_cast<double>(*std::max_element(m.units.begin() + 1, m.units.end()));

@@ -18,6 +18,7 @@
 #include <deque>
 #include <future>
 #include <thread>
+#include <tuple>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -259,12 +260,38 @@ class Staging : public Sink {
   std::string error_;
 };
 
+// Walks state ranges in order, opening each range's group when it comes and closing the one before
+// (Sharding::open_group): one stage-3 unit's shards from disk in memory at a time.
+class GroupWalk {
+ public:
+  GroupWalk(zero::Sharding& z, bool changed) : z_(z), changed_(changed) {}
+  void at(const zero::StateRange& r) {
+    if (r.group < 0 || r.group == open_) return;
+    close();
+    z_.open_group(r.group);
+    open_ = r.group;
+  }
+  void close() {
+    if (open_ < 0) return;
+    const int g = open_;
+    open_ = -1;
+    z_.close_group(g, changed_);
+  }
+
+ private:
+  zero::Sharding& z_;
+  const bool changed_;
+  int open_ = -1;
+};
+
 // The rank's file's bytes, in the plan's order.
-void emit_file(const FilePlan& plan, Sink& sink, int rank) {
+void emit_file(const FilePlan& plan, Sink& sink, int rank, zero::Sharding& z) {
   std::vector<float> chunk(1 << 20);
+  GroupWalk walk(z, /*changed=*/false);
   for (size_t i = 0; i < plan.items.size(); ++i) {
     if (i == plan.items.size() / 2) maybe_die("write", rank);
     const auto& r = *plan.items[i].range;
+    walk.at(r);
     if (!r.step) {
       const at::Tensor v = r.values.cpu().contiguous();
       sink.append(v.data_ptr(), static_cast<int64_t>(v.nbytes()));
@@ -276,6 +303,7 @@ void emit_file(const FilePlan& plan, Sink& sink, int rank) {
       sink.append(chunk.data(), n * 4);
     }
   }
+  walk.close();
   for (const auto& [key, t] : plan.rng) {
     const at::Tensor b = t.contiguous();
     sink.append(b.data_ptr(), b.numel());
@@ -386,6 +414,65 @@ void publish_file(const fs::path& p, const std::string& text) {
   write_file_synced(t, text);
   fs::rename(t, p);
 }
+
+// One kind of state ("param", "master", "exp_avg", ...) of one range, as a load applies it.
+struct LoadItem {
+  const zero::StateRange* range;
+  std::string kind, dtype;
+  int64_t es;  // bytes per element in the file
+};
+
+// A load's second pass: the checked bytes of each read, gathered into a small staging buffer and
+// applied a buffer at a time where they belong (Engine::load_state).
+class StreamApplier {
+ public:
+  StreamApplier(const std::vector<LoadItem>& items, const std::vector<std::pair<size_t, int64_t>>& read_to,
+                GroupWalk& walk)
+      : items_(items), read_to_(read_to), walk_(walk), buf_(kBytes) {}
+  void take(size_t read, int64_t at, const char* p, int64_t n) {
+    if (read != cur_) {
+      flush();
+      cur_ = read;
+      done_ = 0;
+      walk_.at(*items_[read_to_[read].first].range);
+    }
+    ZEAL_CHECK(at == done_ + fill_) << "checkpoint bytes out of order";
+    while (n > 0) {
+      const int64_t k = std::min(n, kBytes - fill_);
+      std::memcpy(buf_.data() + fill_, p, static_cast<size_t>(k));
+      fill_ += k;
+      p += k;
+      n -= k;
+      if (fill_ == kBytes) flush();
+    }
+  }
+  void flush() {
+    if (fill_ == 0) return;
+    const LoadItem& it = items_[read_to_[cur_].first];
+    const zero::StateRange& r = *it.range;
+    const int64_t first = read_to_[cur_].second + done_ / it.es, count = fill_ / it.es;
+    ZEAL_CHECK(fill_ % it.es == 0) << "a partial element of " << r.name;
+    const at::Tensor src = at::from_blob(buf_.data(), {count}, at::TensorOptions().dtype(at_dtype(it.dtype)));
+    if (it.kind == "param") {
+      r.values.narrow(0, first, count).copy_(src);
+    } else {
+      const at::Tensor f32 = src.to(at::kFloat).contiguous();
+      r.step->write_state(it.kind, r.index + first, count, f32.data_ptr<float>());
+      if (it.kind == "master") r.values.narrow(0, first, count).copy_(f32);  // the compute copy, as a step writes it
+    }
+    done_ += fill_;
+    fill_ = 0;
+  }
+
+ private:
+  static constexpr int64_t kBytes = 8 << 20;  // a multiple of every element size
+  const std::vector<LoadItem>& items_;
+  const std::vector<std::pair<size_t, int64_t>>& read_to_;
+  GroupWalk& walk_;
+  std::vector<char> buf_;
+  size_t cur_ = static_cast<size_t>(-1);
+  int64_t done_ = 0, fill_ = 0;
+};
 
 }  // namespace
 
@@ -530,7 +617,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
     mine["pieces"] = file_pieces(plan, *w);
     if (!options.async) {
       WriterSink sink(*w);
-      emit_file(plan, sink, rank);
+      emit_file(plan, sink, rank, z);
       mine["file"] = file_record(file, w->finish());
     } else {
       int64_t budget = options.staging_bytes > 0 ? options.staging_bytes : default_staging_budget(world);
@@ -589,7 +676,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
         }
         return std::string();
       });
-      emit_file(plan, *staging, rank);
+      emit_file(plan, *staging, rank, z);
       staging->close();
     }
   } catch (const std::exception& e) {
@@ -648,14 +735,16 @@ void Engine::load_state(const std::string& dir_arg) {
   }
   Communicator& c = comm();
   zero::Sharding& z = *state_->zero;
-  struct Loaded {
-    const zero::StateRange* range;
-    std::string kind;
-    std::unique_ptr<char[]> bytes;
-    std::string dtype;
-  };
+  // Two passes, so that a load holds no more than a window beside the training's own memory: the
+  // first reads every byte this rank needs and checks its CRC32C, keeping nothing; the ranks agree
+  // that nothing is wrong; the second reads the bytes again and streams them into their places
+  // (the optimizer state where it lives, NVMe windows written through, stage-3 shards on disk a
+  // unit at a time).
   std::vector<zero::StateRange> ranges;
-  std::vector<Loaded> loaded;
+  std::vector<LoadItem> items;
+  std::vector<ckpt::CheckedReader::Read> reads;  // out = null: checked, then streamed
+  std::vector<std::pair<size_t, int64_t>> read_to;  // each read's item and first element in its range
+  std::unique_ptr<ckpt::CheckedReader> reader;
   std::vector<std::pair<std::string, at::Tensor>> frozen_whole;  // stages 0-2
   std::vector<std::string> custom;                                 // register_for_checkpointing
   json m;
@@ -711,7 +800,6 @@ void Engine::load_state(const std::string& dir_arg) {
       if (!f) throw Error(fmt::format("{} is missing", (dir / fmt::format("custom_{}.bin", k)).string()));
       custom.emplace_back((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
     }
-    std::vector<ckpt::CheckedReader::Read> reads;  // all of them, then read in one go
     ranges = z.state_ranges(/*to_write=*/false);
     if (z.stage() < 3) {
       frozen_whole = frozen_params(*state_->module);
@@ -738,26 +826,24 @@ void Engine::load_state(const std::string& dir_arg) {
         }
         const std::string dtype = pit->second.front().dtype;
         const int64_t es = ckpt::dtype_size(dtype);
-        // Not zeroed: every byte is read below (or the load fails).
-        Loaded l{&r, k, std::unique_ptr<char[]>(new char[static_cast<size_t>(r.count * es)]), dtype};
+        items.push_back({&r, k, dtype, es});
         int64_t covered = 0;
         for (const auto& p : pit->second) {
           const int64_t lo = std::max(p.begin, r.begin), hi = std::min(p.begin + p.count, r.begin + r.count);
           if (lo >= hi) continue;
           if (p.dtype != dtype) throw Error(fmt::format("the pieces of {} of '{}' differ in dtype", k, r.name));
-          reads.push_back({dir / p.file, &files.at(p.file), p.offset + (lo - p.begin) * es, (hi - lo) * es,
-                           l.bytes.get() + (lo - r.begin) * es});
+          reads.push_back({dir / p.file, &files.at(p.file), p.offset + (lo - p.begin) * es, (hi - lo) * es, nullptr});
+          read_to.push_back({items.size() - 1, lo - r.begin});
           covered += hi - lo;
         }
         if (covered != r.count) {
           throw Error(fmt::format("the checkpoint covers {} of the {} elements of {} of '{}' this rank needs", covered,
                                   r.count, k, r.name));
         }
-        loaded.push_back(std::move(l));
       }
     }
-    ckpt::CheckedReader reader;
-    reader.read_many(reads);
+    reader = std::make_unique<ckpt::CheckedReader>();
+    reader->read_many(reads);  // pass one: checked, nothing kept
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -767,23 +853,26 @@ void Engine::load_state(const std::string& dir_arg) {
     z.end_state_access(/*changed=*/false);
     throw Error(fmt::format("load_state: {}: nothing was changed:{}", dir.string(), failed));
   }
-  {
+  // Pass two: the same reads, checked again, applied as they come.
+  std::string reread;
+  try {
     c10::NoGradGuard no_grad;
-    for (auto& l : loaded) {
-      const zero::StateRange& r = *l.range;
-      const at::Tensor src = at::from_blob(l.bytes.get(), {r.count}, at::TensorOptions().dtype(at_dtype(l.dtype)));
-      if (l.kind == "param") {
-        r.values.copy_(src);
-      } else {
-        const at::Tensor f32 = src.to(at::kFloat);
-        r.step->write_state(l.kind, r.index, r.count, f32.data_ptr<float>());
-        if (l.kind == "master") r.values.copy_(f32);  // the compute copy, as the step writes it
-      }
-    }
+    GroupWalk walk(z, /*changed=*/true);
+    StreamApplier apply(items, read_to, walk);
+    reader->read_many(reads, [&](size_t i, int64_t at, const char* p, int64_t n) { apply.take(i, at, p, n); });
+    apply.flush();
+    walk.close();
     for (zero::ShardStep* s : z.steps()) s->optimizer().set_steps(m["optimizer_steps"].get<int64_t>());
+  } catch (const std::exception& e) {
+    reread = e.what();
   }
-  loaded.clear();
   z.end_state_access(/*changed=*/true);
+  if (const std::string again = agreed_failures(*this, reread); !again.empty()) {
+    throw Error(fmt::format("load_state: {}: the checkpoint was checked, then failed when read again to be applied "
+                            "(did it change meanwhile?): the model and optimizer are now partly loaded; load a "
+                            "checkpoint again before training:{}",
+                            dir.string(), again));
+  }
   // Random number generators: each rank its own, when the world size is the one that saved them.
   const int saved_world = m["world_size"].get<int>();
   if (saved_world == c.world_size()) {
@@ -1057,9 +1146,12 @@ int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string
   }
   wait_for_save();
   zero::Sharding& z = *state_->zero;
+  // Pass one checks every name, shape and dtype this rank needs and that the files hold their
+  // bytes; the ranks agree; pass two reads each rank's elements a few MiB at a time straight into
+  // their places (stage-3 shards on disk a unit at a time), so the load holds no copy of the model.
   std::vector<zero::StateRange> ranges;
-  std::vector<std::pair<const zero::StateRange*, at::Tensor>> loaded;
-  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // model's, read
+  std::vector<std::tuple<const zero::StateRange*, fs::path, ckpt::TensorEntry>> planned;
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // model's, read (small: read in pass one)
   std::string error;
   try {
     z.begin_state_access();
@@ -1070,12 +1162,12 @@ int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string
         ranges.push_back({name, p.sizes().vec(), 0, p.numel(), p.detach().reshape({-1})});
       }
     }
-    // Each rank reads only the elements it holds.
     for (const auto& r : ranges) {
       const std::string f = map(r.name);
       if (f.empty()) continue;
-      const auto [file, e] = w.entry(f, r.shape, r.name);
-      loaded.push_back({&r, read_elements(file, e, r.begin, r.count)});
+      auto [file, e] = w.entry(f, r.shape, r.name);
+      (void)at_dtype(e.dtype);  // one zeal can read, or the error names it now
+      planned.emplace_back(&r, std::move(file), std::move(e));
     }
     for (const auto& item : state_->module->named_buffers(true)) {
       const std::string f = map(item.key());
@@ -1091,21 +1183,36 @@ int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string
     z.end_state_access(/*changed=*/false);
     throw Error(fmt::format("{}: nothing was changed:{}", path, failed));
   }
-  {
+  std::string reread;
+  try {
     c10::NoGradGuard no_grad;
-    for (auto& [r, src] : loaded) {
-      if (!r->step) {
-        r->values.copy_(src);
-        continue;
+    GroupWalk walk(z, /*changed=*/true);
+    for (const auto& [r, file, e] : planned) {
+      walk.at(*r);
+      const int64_t chunk = std::max<int64_t>(1, (8 << 20) / ckpt::dtype_size(e.dtype));
+      for (int64_t at = 0; at < r->count; at += chunk) {
+        const int64_t n = std::min(chunk, r->count - at);
+        const at::Tensor src = read_elements(file, e, r->begin + at, n);
+        if (!r->step) {
+          r->values.narrow(0, at, n).copy_(src);
+          continue;
+        }
+        const at::Tensor f32 = src.to(at::kFloat).contiguous();
+        r->step->write_state("master", r->index + at, n, f32.data_ptr<float>());
+        r->values.narrow(0, at, n).copy_(f32);
       }
-      const at::Tensor f32 = src.to(at::kFloat).contiguous();
-      r->step->write_state("master", r->index, r->count, f32.data_ptr<float>());
-      r->values.copy_(f32);
     }
+    walk.close();
     for (auto& [b, src] : buffers) b.copy_(src);
+  } catch (const std::exception& e) {
+    reread = e.what();
   }
-  loaded.clear();
   z.end_state_access(/*changed=*/true);
+  if (const std::string again = agreed_failures(*this, reread); !again.empty()) {
+    throw Error(fmt::format("{}: the weights were checked, then failed when read to be applied: the model is now "
+                            "partly loaded; load weights again before training:{}",
+                            path, again));
+  }
   // Tensors read, counted as the unprepared path counts them: each parameter once, and the buffers.
   std::unordered_set<const void*> seen;
   int64_t n = static_cast<int64_t>(buffers.size());

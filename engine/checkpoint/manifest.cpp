@@ -64,7 +64,9 @@ void CheckedReader::read(const std::filesystem::path& path, const SavedFile& f, 
   read_many({{path, &f, offset, n, out}});
 }
 
-void CheckedReader::read_many(const std::vector<Read>& reads) {
+int64_t CheckedReader::buffer_bytes() const { return impl_->span * static_cast<int64_t>(impl_->bufs.size()); }
+
+void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) {
   // The spans to read, in order: whole CRC blocks [b0, b1) of one request's file.
   struct Task {
     size_t read;
@@ -171,7 +173,12 @@ void CheckedReader::read_many(const std::vector<Read>& reads) {
                                 bat, bat + blen));
       }
       const int64_t lo = std::max(bat, r.offset), hi = std::min(bat + blen, r.offset + r.n);
-      if (lo < hi) std::memcpy(r.out + (lo - r.offset), p + (lo - bat), static_cast<size_t>(hi - lo));
+      if (lo >= hi) continue;
+      if (r.out) {
+        std::memcpy(r.out + (lo - r.offset), p + (lo - bat), static_cast<size_t>(hi - lo));
+      } else if (sink) {
+        sink(tasks[t].read, lo - r.offset, p + (lo - bat), hi - lo);
+      }
     }
     std::lock_guard<std::mutex> lock(mu);
     consumed = t + 1;

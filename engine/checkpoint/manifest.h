@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,12 +40,17 @@ class CheckedReader {
     int64_t offset, n;
     char* out;
   };
+  // Where the checked bytes of a Read whose `out` is null go, in order: `at` bytes into read
+  // `read`, `n` bytes at `p` (valid during the call). Without one, such a read is only checked.
+  using Sink = std::function<void(size_t read, int64_t at, const char* p, int64_t n)>;
   explicit CheckedReader(int64_t span = 32 << 20);  // bytes read at once
   ~CheckedReader();
   CheckedReader(const CheckedReader&) = delete;
   CheckedReader& operator=(const CheckedReader&) = delete;
   void read(const std::filesystem::path& path, const SavedFile& f, int64_t offset, int64_t n, char* out);
-  void read_many(const std::vector<Read>& reads);
+  void read_many(const std::vector<Read>& reads, const Sink& sink = {});
+  // Bytes of host memory the reader holds (its ring of spans).
+  int64_t buffer_bytes() const;
 
  private:
   struct Impl;

@@ -70,6 +70,17 @@ void free_storage(const at::Tensor& t) {
   s->set_nbytes(0);
 }
 
+at::Tensor storage_slice(const at::Tensor& t, int64_t offset, int64_t count) {
+  ZEAL_CHECK(t.is_contiguous() && offset >= 0 && count >= 0 && offset + count <= t.numel())
+      << "storage_slice [" << offset << ", " << offset + count << ") of " << t.numel() << " elements";
+  at::Tensor v = at::empty({0}, t.options());
+  c10::TensorImpl* impl = v.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(t.storage());  // the same StorageImpl: its bytes, when they come back
+  impl->set_sizes_contiguous({count});
+  impl->set_storage_offset(t.storage_offset() + offset);
+  return v;
+}
+
 at::Tensor staging_zeros(int64_t n, const at::TensorOptions& o) {
   const size_t bytes = static_cast<size_t>(n) * o.dtype().itemsize();
   if (!o.device().is_cpu() || bytes < kMapBytes) return at::zeros({n}, o);

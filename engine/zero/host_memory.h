@@ -19,6 +19,9 @@ void alloc_storage(const at::Tensor& t);
 void alloc_storage_mapped(const at::Tensor& t);
 // Frees `t`'s storage, keeping its shape, dtype and every view of it.
 void free_storage(const at::Tensor& t);
+// Elements [offset, offset + count) of contiguous `t` as a tensor on its storage, made even while
+// that storage is freed (narrow would refuse): usable whenever the storage has its bytes.
+at::Tensor storage_slice(const at::Tensor& t, int64_t offset, int64_t count);
 // n zeros with options `o`, mapped on the CPU from a MiB up (fresh mappings are zero already).
 at::Tensor staging_zeros(int64_t n, const at::TensorOptions& o);
 

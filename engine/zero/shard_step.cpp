@@ -306,6 +306,15 @@ void ShardStep::apply_nvme(double inv_scale) {
     const int k = static_cast<int>(i % S);
     const int64_t len = std::min(window_, total_ - a);
     const int64_t prev = a - window_, next = a + window_;
+    // The hooks do I/O of their own (stage 3: parameter shards), maybe through the engine the
+    // window reads use: called only while no read is in flight, entering before the next read
+    // starts and leaving after it ends.
+    if (hooks_.enter) {
+      for (size_t pk = 0; pk < pieces_.size(); ++pk) {
+        const Piece& p = pieces_[pk];
+        if (p.grad.numel() > 0 && p.offset >= a && p.offset < a + len) hooks_.enter(pk);
+      }
+    }
     // Window i+1 comes into the next set while this one is updated (two sets or more); window i−1
     // leaves from the previous set (three sets; with fewer, each window is written after its update).
     if (S >= 2 && next < total_) {
@@ -320,7 +329,8 @@ void ShardStep::apply_nvme(double inv_scale) {
       int64_t lo, n;
     };
     std::vector<Back> back;
-    for (const Piece& p : pieces_) {
+    for (size_t pk = 0; pk < pieces_.size(); ++pk) {
+      const Piece& p = pieces_[pk];
       const int64_t lo = std::max(a, p.offset), hi = std::min(a + len, p.offset + p.grad.numel());
       if (lo >= hi) continue;
       const int64_t n = hi - lo;
@@ -350,6 +360,10 @@ void ShardStep::apply_nvme(double inv_scale) {
     for (const Back& b : back) b.piece->out.narrow(0, b.lo - b.piece->offset, b.n).copy_(host_out_.narrow(0, b.lo - a, b.n));
     if (writing.valid()) writing.get();  // rethrows an I/O error
     if (reading.valid()) reading.get();
+    if (hooks_.leave) {
+      for (const Back& b : back)
+        if (b.lo + b.n == b.piece->offset + b.piece->grad.numel()) hooks_.leave(static_cast<size_t>(b.piece - pieces_.data()));
+    }
     if (S < 3 || next >= total_) write(a, k);
     if (S == 1 && next < total_) read(next, 0);
   }
@@ -372,7 +386,7 @@ void ShardStep::apply_offloaded(double lr, double inv_scale) {
   if (!fused_) {
     if (scale != 1.0) host_grad_.mul_(scale);
     optimizer_->step(master_, host_grad_);
-    for (const Piece& p : pieces_) p.out.copy_(master_.narrow(0, p.offset, p.out.numel()));
+    each_out([&](const Piece& p) { p.out.copy_(master_.narrow(0, p.offset, p.out.numel())); });
   } else {
     std::vector<optim::FusedSegment> segments;
     const auto out_type = kernel_dtype(host_out_.scalar_type());
@@ -390,11 +404,20 @@ void ShardStep::apply_offloaded(double lr, double inv_scale) {
       segments.push_back(seg);
     }
     optimizer_->fused_update(total_, at::kCPU, segments, scale);
-    for (const Piece& p : pieces_)
-      if (p.out.numel() > 0) p.out.copy_(host_out_.narrow(0, p.offset, p.out.numel()));
+    each_out([&](const Piece& p) { p.out.copy_(host_out_.narrow(0, p.offset, p.out.numel())); });
   }
   if (!grad32_.is_same(alias_)) grad32_ = alias_;
   grad32_ready_ = false;
+}
+
+void ShardStep::each_out(const std::function<void(const Piece&)>& f) {
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    const Piece& p = pieces_[k];
+    if (p.out.numel() == 0) continue;
+    if (hooks_.enter) hooks_.enter(k);
+    f(p);
+    if (hooks_.leave) hooks_.leave(k);
+  }
 }
 
 void ShardStep::apply(double lr, double inv_scale) {
@@ -405,7 +428,7 @@ void ShardStep::apply(double lr, double inv_scale) {
   if (arena_) return apply_offloaded(lr, inv_scale);
   if (!fused_) {
     optimizer_->step(master_, fp32_grads(inv_scale));
-    for (const Piece& p : pieces_) p.out.copy_(master_.narrow(0, p.offset, p.out.numel()));
+    each_out([&](const Piece& p) { p.out.copy_(master_.narrow(0, p.offset, p.out.numel())); });
     // The fp32 copy lives from its first use to the update, not between steps.
     if (!grad32_.is_same(alias_)) grad32_ = alias_;
     grad32_ready_ = false;
@@ -414,8 +437,7 @@ void ShardStep::apply(double lr, double inv_scale) {
   // One pass per piece: gradients (unscaled and clipped by the multiplier), the update, the copy.
   const double scale = grad32_ready_ ? 1.0 : inv_scale * pending_scale_;
   std::vector<optim::FusedSegment> segments;
-  for (const Piece& p : pieces_) {
-    if (p.grad.numel() == 0) continue;
+  auto segment = [&](const Piece& p) {
     const at::Tensor g = grad32_ready_ ? grad32_.narrow(0, p.offset, p.grad.numel()) : p.grad;
     optim::FusedSegment seg;
     seg.offset = p.offset;
@@ -429,8 +451,18 @@ void ShardStep::apply(double lr, double inv_scale) {
       seg.copy = p.out.data_ptr();
       seg.copy_type = kernel_dtype(p.out.scalar_type());
     }
-    segments.push_back(seg);
+    return seg;
+  };
+  if (hooks_.enter) {  // each piece's `out` present only around its own update: one at a time
+    bool first = true;
+    each_out([&](const Piece& p) {
+      optimizer_->fused_update(total_, state_options_.device(), {segment(p)}, scale, first);
+      first = false;
+    });
+    return;
   }
+  for (const Piece& p : pieces_)
+    if (p.grad.numel() > 0) segments.push_back(segment(p));
   optimizer_->fused_update(total_, state_options_.device(), segments, scale);
 }
 
@@ -482,14 +514,18 @@ void ShardStep::state_io(const std::string& what, int64_t index, int64_t n, floa
   if (swap_) {
     const int r = what == "master" ? 0 : what == "exp_avg" ? 1 : what == "exp_avg_sq" ? 2 : -1;
     if (r < 0) throw Error("checkpoint: NVMe-offloaded optimizer state has no '" + what + "'");
-    const at::Tensor& win = win_master_[0];  // no step runs: any window buffer is free
-    for (int64_t a = index / window_ * window_; a < index + n; a += window_) {
-      const int64_t len = std::min(window_, total_ - a);
-      const int64_t bytes = round_up(len * 4, offload::kIoAlign), off = r * region_bytes_ + a * 4;
-      swap_->read(win.data_ptr(), bytes, off);
-      const int64_t lo = std::max(a, index), hi = std::min(a + len, index + n);
-      move(win.narrow(0, lo - a, hi - lo), buf + (lo - index));
-      if (write) swap_->write(win.data_ptr(), bytes, off);
+    // Through one window buffer (no step runs: any is free), whole pages of the region at a time:
+    // only the pages [index, index + n) touches move, and a write that covers its pages whole
+    // reads nothing first, so a checkpoint streamed in a piece at a time costs what it writes.
+    const at::Tensor& win = win_master_[0];
+    const int64_t align = offload::kIoAlign, cap = round_up(window_ * 4, align), end = index + n;
+    for (int64_t a = index; a < end;) {
+      const int64_t b0 = a * 4 / align * align, b1 = std::min(b0 + cap, round_up(end * 4, align));
+      const int64_t hi = std::min(end, b1 / 4), off = r * region_bytes_ + b0;
+      if (!write || a * 4 != b0 || hi * 4 != b1) swap_->read(win.data_ptr(), b1 - b0, off);
+      move(win.narrow(0, (a * 4 - b0) / 4, hi - a), buf + (a - index));
+      if (write) swap_->write(win.data_ptr(), b1 - b0, off);
+      a = hi;
     }
     return;
   }

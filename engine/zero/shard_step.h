@@ -12,6 +12,7 @@
 #include <ATen/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,6 +44,8 @@ struct StateRange {
   at::Tensor values;             // this rank's compute-dtype (frozen: own dtype) values of them, a view
   ShardStep* step = nullptr;     // trainable: where its master and optimizer state live
   int64_t index = 0;             // ... at this index of that step's partition
+  int group = -1;                // its values are present only while this group is open (stage 3:
+                                 // the unit's index), or always (-1); see Sharding::open_group
 };
 
 class ShardStep {
@@ -94,6 +97,16 @@ class ShardStep {
   // first region, written there as they were made (never whole in host memory): only m and v are
   // initialised.
   int buffer_sets() const { return sets_; }
+  bool on_nvme() const { return swap_ != nullptr; }
+  // apply() calls enter(k) before it touches piece k's `out` and leave(k) once the last of its
+  // results is there, so the owner can bring the pieces' `out` in from disk and send them back a
+  // few at a time (stage 3 with offload_param nvme: one unit's shards): with the state on NVMe as
+  // its windows reach and pass the piece, otherwise piece after piece (a fused step then updates
+  // one piece at a time). Without hooks every `out` must be present for the whole step.
+  struct PieceHooks {
+    std::function<void(size_t)> enter, leave;
+  };
+  void set_piece_hooks(PieceHooks hooks) { hooks_ = std::move(hooks); }
   // Gradient swap (after offload_to_nvme; DeepSpeed's ZeRO-Infinity swaps gradients out with the
   // optimizer state): the reduced gradients leave host memory for `file`, each piece in a region of
   // its own (aligned for O_DIRECT), in the accumulation dtype. The pieces' `grad` become meta tensors
@@ -152,6 +165,8 @@ class ShardStep {
   std::vector<at::Tensor> current_grads(double inv_scale, double* scale) const;
 
   void state_io(const std::string& what, int64_t index, int64_t n, float* buf, bool write);
+  // f(piece) for every piece with elements, between the hooks' enter and leave.
+  void each_out(const std::function<void(const Piece&)>& f);
   void apply_offloaded(double lr, double inv_scale);
   void apply_nvme(double inv_scale);
 
@@ -166,6 +181,7 @@ class ShardStep {
   int64_t gswap_bytes_ = 0;
   at::Tensor gbounce_[3], win_grad_[3];
 
+  PieceHooks hooks_;
   std::shared_ptr<offload::SwapFile> swap_;  // NVMe offload
   int64_t window_ = 0, region_bytes_ = 0;
   // Up to three sets: one updated while the previous is written back and the next read.

@@ -420,11 +420,46 @@ void Stage3::apply(double inv_scale, const std::vector<double>& lrs) {
     root.persistent_ = true;
   }
   // offload_param nvme: the trainable shards the step writes come back from disk for it, and go
-  // back to disk before anything reads them again.
-  for (auto& u : units_) u->load_shards(/*trainable_only=*/true);
-  for (size_t g = 0; g < steps_.size(); ++g) steps_[g].apply(lrs.at(g), inv_scale);  // writes every unit's shard
-  for (auto& u : units_)
-    if (u->shards_on_disk()) u->store_shards(/*trainable_only=*/true);
+  // back to disk before anything reads them again, one unit at a time: its shards come in as the
+  // step reaches its first piece (with the optimizer state on NVMe, as the windows do) and go back
+  // (and leave memory) after its last, so max_in_cpu bounds the step as it bounds the forward.
+  bool per_unit = false;
+  for (auto& u : units_) per_unit = per_unit || u->shards_on_disk();
+  if (!per_unit) {
+    for (auto& u : units_) u->load_shards(/*trainable_only=*/true);
+    for (size_t g = 0; g < steps_.size(); ++g) steps_[g].apply(lrs.at(g), inv_scale);  // writes every unit's shard
+    for (auto& u : units_)
+      if (u->shards_on_disk()) u->store_shards(/*trainable_only=*/true);
+  } else {
+    for (size_t g = 0; g < steps_.size(); ++g) {
+      std::vector<Unit*> owner(steps_[g].num_pieces(), nullptr);
+      std::map<Unit*, int> left;  // pieces of each unit this group's step has still to write
+      for (auto& u : units_) {
+        for (const auto& [pg, k] : u->master_pieces_) {
+          if (pg != static_cast<int>(g) || steps_[g].piece(k).grad.numel() == 0) continue;
+          owner[k] = u.get();
+          ++left[u.get()];
+        }
+      }
+      ShardStep::PieceHooks hooks;
+      hooks.enter = [&](size_t k) {
+        if (owner[k]) owner[k]->load_shards(/*trainable_only=*/true);
+      };
+      hooks.leave = [&](size_t k) {
+        Unit* u = owner[k];
+        if (!u || --left[u] > 0 || !u->shards_on_disk()) return;
+        u->store_shards(/*trainable_only=*/true);
+        // Kept when the all-gather below reads it (a unit that stays gathered).
+        if (!u->persistent() && u->holds_ == 0 && u->pending_.empty()) u->drop_shards();
+      };
+      steps_[g].set_piece_hooks(std::move(hooks));
+      struct Unhook {
+        ShardStep& s;
+        ~Unhook() { s.set_piece_hooks({}); }
+      } unhook{steps_[g]};
+      steps_[g].apply(lrs.at(g), inv_scale);
+    }
+  }
   // Units that stay gathered take their new values now; the others at their next fetch.
   CollectiveLabel label(comm_, "after step");
   for (auto& u : units_) {
@@ -574,12 +609,14 @@ int64_t Stage3::offload_disk_bytes() {
 std::vector<StateRange> Stage3::state_ranges(bool /*to_write: shards are disjoint either way*/) {
   std::vector<StateRange> out;
   const int rank = comm_.rank();
-  for (auto& u : units_) {
+  for (size_t ui = 0; ui < units_.size(); ++ui) {
+    auto& u = units_[ui];
     for (Unit::Part* part : {&u->train_, &u->frozen_}) {
       if (!part->layout) continue;
       for (const Piece& pc : part->layout->pieces(rank)) {
         StateRange r{part->names[pc.param], part->params[pc.param].sizes().vec(), pc.param_begin, pc.count,
-                     part->shard.narrow(0, pc.shard_begin, pc.count)};
+                     storage_slice(part->shard, pc.shard_begin, pc.count)};  // shards on disk: freed now
+        if (u->shards_on_disk()) r.group = static_cast<int>(ui);
         if (part == &u->train_) {
           const int g = part->groups[pc.param];
           for (size_t j = 0; j < u->master_pieces_.size(); ++j) {
@@ -601,20 +638,38 @@ std::vector<StateRange> Stage3::state_ranges(bool /*to_write: shards are disjoin
 
 void Stage3::begin_state_access() {
   fetch_->wait_all();
-  for (auto& u : units_)
-    if (u->shards_on_disk()) u->load_shards();
+  open_ = -1;
+}
+
+void Stage3::open_group(int group) {
+  ZEAL_CHECK(open_ < 0 && group >= 0 && group < static_cast<int>(units_.size()))
+      << "open_group(" << group << ") while group " << open_ << " is open";
+  open_ = group;
+  units_[group]->load_shards();
+}
+
+void Stage3::close_group(int group, bool changed) {
+  ZEAL_CHECK(open_ == group) << "close_group(" << group << "): group " << open_ << " is open";
+  open_ = -1;
+  Unit& u = *units_[group];
+  if (changed) {
+    c10::NoGradGuard no_grad;
+    u.store_shards(/*trainable_only=*/false);
+  }
+  if (u.pending_.empty()) u.drop_shards();
 }
 
 void Stage3::end_state_access(bool changed) {
+  if (open_ >= 0) close_group(open_, /*changed=*/false);  // an error left it open: it was not changed
   if (changed) {
     c10::NoGradGuard no_grad;
-    for (auto& u : units_)
-      if (u->shards_on_disk()) u->store_shards(/*trainable_only=*/false);
-    // Units gathered now (the persistent ones, those engine.gathered holds) take the new values.
+    // Units gathered now (the persistent ones, those engine.gathered holds) take the new values,
+    // one at a time (shards on disk read in for the gather and freed again).
     CollectiveLabel label(comm_, "after load_state");
     for (auto& u : units_) {
       if (u->state() == Unit::State::kReleased) continue;
       u->wait_gather();
+      if (u->shards_on_disk()) u->load_shards();
       for (Unit::Part* part : {&u->train_, &u->frozen_}) {
         if (!part->layout) continue;
         if (comm_.world_size() > 1) {
@@ -623,10 +678,9 @@ void Stage3::end_state_access(bool changed) {
           part->full.copy_(part->shard);
         }
       }
+      if (u->shards_on_disk() && u->pending_.empty()) u->drop_shards();
     }
   }
-  for (auto& u : units_)
-    if (u->shards_on_disk() && u->pending_.empty()) u->drop_shards();
 }
 
 }  // namespace zero

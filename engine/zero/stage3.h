@@ -105,6 +105,8 @@ class Stage3 final : public Sharding {
   at::Tensor full_grad(const at::Tensor& param, double inv_scale) override;
   std::vector<StateRange> state_ranges(bool to_write) override;
   void begin_state_access() override;
+  void open_group(int group) override;
+  void close_group(int group, bool changed) override;
   void end_state_access(bool changed) override;
   int64_t offload_disk_bytes() override;
 
@@ -152,6 +154,7 @@ class Stage3 final : public Sharding {
   Stage3Options opts_;
   std::shared_ptr<Stage3Link> link_ = std::make_shared<Stage3Link>();
   std::vector<std::unique_ptr<Unit>> units_;
+  int open_ = -1;  // the state group open now (open_group)
   std::vector<ShardedBase*> modules_;
   std::unique_ptr<FetchCoordinator> fetch_;
   std::vector<ShardStep> steps_;  // one per optimizer group

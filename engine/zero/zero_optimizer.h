@@ -57,12 +57,17 @@ class Sharding {
 
   // Checkpoints: the pieces of named parameters this rank holds. `to_write`: each element once over
   // all ranks (stage 0 splits its replicas as stage 1 would); otherwise every element this rank
-  // keeps (stage 0: all). begin_state_access makes every range's values present (stage 3: shards
-  // on disk are read in); end_state_access(changed) puts them back, and after a load (changed)
-  // makes the new values visible everywhere (all-gathers: collective).
+  // keeps (stage 0: all). Between begin_state_access and end_state_access a range's values are
+  // present while its group is open (a range of group -1 always): open_group(g) reads that group's
+  // shards in from disk (stage 3 with offload_param nvme: one unit's), close_group(g, changed)
+  // writes them back when changed and frees them, so one group's shards are in memory at a time;
+  // open one after closing the last. end_state_access(changed) closes what is open and, after a
+  // load (changed), makes the new values visible everywhere (all-gathers: collective).
   using StateRange = zero::StateRange;
   virtual std::vector<StateRange> state_ranges(bool to_write) = 0;
   virtual void begin_state_access() {}
+  virtual void open_group(int /*group*/) {}
+  virtual void close_group(int /*group*/, bool /*changed*/) {}
   virtual void end_state_access(bool changed) = 0;
   std::vector<ShardStep*> steps() { return shard_steps(); }
 
