@@ -1,6 +1,7 @@
 // `zeal consolidate CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--max_shard_size 5GB]`: a checkpoint
 // engine.save_state wrote (at any world size and stage) as Hugging Face-style safetensors, one
-// tensor per parameter, without training ranks; memory holds one parameter at a time.
+// tensor per parameter and buffer under the names the model's owner sees (transformers'), without
+// training ranks; memory holds one parameter at a time.
 #include <cstdio>
 
 #include <fmt/format.h>
@@ -17,7 +18,7 @@ Runner add_consolidate_command(CLI::App& app) {
                                  "Write a checkpoint's weights as Hugging Face-style safetensors (no ranks needed)");
   struct Options {
     std::string ckpt, out, dtype = "fp32", max_shard_size = "5GB";
-    bool no_frozen = false;
+    bool no_frozen = false, keep_names = false;
   };
   auto o = std::make_shared<Options>();
   cmd->add_option("CKPT_DIR", o->ckpt, "The checkpoint (or a directory whose latest names it)")->required();
@@ -25,6 +26,8 @@ Runner add_consolidate_command(CLI::App& app) {
   cmd->add_option("--dtype", o->dtype, "fp32, bf16 or fp16 (default fp32)");
   cmd->add_option("--max_shard_size", o->max_shard_size, "Bytes per file, e.g. 5GB, 500MB (default 5GB)");
   cmd->add_flag("--no_frozen", o->no_frozen, "Leave frozen parameters out");
+  cmd->add_flag("--keep_names", o->keep_names,
+                "The model's own names (zeal::Sharded's block level kept) and LoRA adapter tensors too");
   return [o] {
     try {
       ckpt::ConsolidateOptions c;
@@ -35,6 +38,7 @@ Runner add_consolidate_command(CLI::App& app) {
         throw zeal::Error(std::string("--max_shard_size: ") + e.what());
       }
       c.include_frozen = !o->no_frozen;
+      c.model_names = !o->keep_names;
       int64_t done = 0;
       const auto r = ckpt::consolidate(o->ckpt, o->out, c, [&](const std::string& name, int64_t bytes) {
         done += bytes;

@@ -692,6 +692,7 @@ void Engine::step() {
   const std::vector<double> lrs = learning_rates();
   const auto r = state_->zero->step(inv_scale(), clip, lrs);
   state_->grads_pending = false;
+  sync_buffers();
   last_grad_norm_ = r.grad_norm;
   last_step_skipped_ = !r.stepped;
   if (!r.abandoned.empty()) {
@@ -720,6 +721,29 @@ void Engine::step() {
     ++w.steps;
   }
   report_progress(lrs);
+}
+
+void Engine::sync_buffers() {
+  Communicator& c = comm();
+  if (!config_.broadcast_buffers || c.world_size() == 1 || !state_->module) return;
+  // One broadcast per dtype and device: the buffers flattened into one tensor and back.
+  std::map<std::pair<int, std::string>, std::vector<at::Tensor>> by;
+  for (auto& b : state_->module->buffers(true)) {
+    if (b.numel() > 0) by[{static_cast<int>(b.scalar_type()), b.device().str()}].push_back(b);
+  }
+  CollectiveLabel label(c, "buffers after step");
+  c10::NoGradGuard no_grad;
+  for (auto& [key, list] : by) {
+    std::vector<at::Tensor> flat;
+    for (auto& b : list) flat.push_back(b.reshape({-1}));
+    at::Tensor all = at::cat(flat);
+    c.broadcast(all, 0).wait();
+    int64_t at = 0;
+    for (auto& b : list) {
+      b.copy_(all.narrow(0, at, b.numel()).view(b.sizes()));
+      at += b.numel();
+    }
+  }
 }
 
 // DeepSpeed's steps_per_print: every that many steps (taken or skipped), rank 0 prints the step, the

@@ -96,7 +96,9 @@ struct SaveModelOptions {
 
 // Reads Hugging Face-style safetensors weights (model.safetensors, or the files
 // model.safetensors.index.json names, as engine.save_model and `zeal consolidate` write them) into
-// `model`'s parameters and buffers by name, converting the dtype; a missing name or a shape that
+// `model`'s parameters and buffers by name (the model's own, or the exported name: zeal::Sharded's
+// "block" level left out; LoRA adapter tensors a file lacks keep their values), converting the
+// dtype; a missing name or a shape that
 // differs is a zeal::Error naming it (nothing is changed then). For a model an engine prepared
 // with its optimizer, every rank calls it (collective) and reads only the elements it holds (its
 // shards under stage 3), and the fp32 master weights take the values too; the optimizer's state
@@ -157,6 +159,14 @@ struct SaveStateOptions {
   // async: host memory per rank for that copy. A state larger than this makes the call wait until
   // the writes have made room for the rest. 0: half the memory available, shared by the ranks.
   int64_t staging_bytes = 0;
+};
+
+struct LoadStateOptions {
+  // Host memory per rank the load may hold to read each byte once: when what this rank needs fits,
+  // the bytes the first pass checked are kept and applied from memory; beyond it the second pass
+  // reads them again (the memory then stays within one window). -1: a quarter of the memory
+  // available, shared by the ranks; 0: always read twice.
+  int64_t memory_budget = -1;
 };
 
 template <class T>
@@ -284,8 +294,9 @@ class Engine {
   // offload: `dir` itself, or the checkpoint its `latest` names (default: checkpoints/). Every
   // rank reads only the byte ranges its elements need and checks their CRC32C; a missing,
   // truncated or corrupted file, or a parameter the checkpoint lacks, is an error naming it before
-  // anything changes. Collective.
-  void load_state(const std::string& dir = "");
+  // anything changes; then the bytes go where they live a few MiB at a time, so the load holds no
+  // more than a window beside the training's own memory (docs/checkpoints.md). Collective.
+  void load_state(const std::string& dir = "", const LoadStateOptions& options = {});
   // Waits until an asynchronous save_state is complete on every rank; its failure on any rank is a
   // zeal::Error here (naming the ranks and why). Collective; returns at once when none is pending.
   void wait_for_save();
@@ -297,7 +308,10 @@ class Engine {
   // model-0000k-of-0000n.safetensors with model.safetensors.index.json beyond max_shard_size),
   // written by rank 0 from a checkpoint the ranks save first (in `dir`/.state, removed after):
   // stage 3's shards are never gathered on one rank, and rank 0's memory holds one parameter at a
-  // time. Collective. Returns the files written.
+  // time. Parameters and buffers under the names the model's owner sees, as transformers loads
+  // them: zeal::Sharded's "block" level left out ("layers.0.block.mlp.fc1.weight" is written as
+  // "layers.0.mlp.fc1.weight"), and LoRA adapter tensors left out (PeftModel::save_pretrained writes
+  // them; PeftModel::save_merged the merged model). Collective. Returns the files written.
   std::vector<std::string> save_model(const std::string& dir, const SaveModelOptions& options = {});
 
   // --- collectives on results ----------------------------------------------------------------
@@ -450,6 +464,8 @@ class Engine {
   void build_zero();
   void say_gradient_dtypes(int world) const;
   void report_progress(const std::vector<double>& lrs);
+  // broadcast_buffers: the model's buffers take rank 0's values (collective).
+  void sync_buffers();
   void begin_micro_step();
   void scheduler_step(int index);
   double scheduler_last_lr(int index) const;

@@ -134,10 +134,16 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
   // the saved values of frozen ones.
   std::vector<Param> params;
   std::map<std::string, size_t> index;
+  // The model's buffers are written too (BatchNorm's statistics; saved by rank 0, whole).
+  const json renames = o.model_names && m.contains("export_names") ? m["export_names"] : json::object();
   for (const auto& p : m["pieces"]) {
     const std::string kind = p["kind"].get<std::string>();
-    if (kind != "master" && !(kind == "param" && o.include_frozen)) continue;
-    const std::string name = p["name"].get<std::string>();
+    if (kind != "master" && kind != "buffer" && !(kind == "param" && o.include_frozen)) continue;
+    std::string name = p["name"].get<std::string>();
+    if (const auto r = renames.find(name); r != renames.end()) {
+      if (r->is_null()) continue;  // an adapter tensor
+      name = r->get<std::string>();
+    }
     auto [it, fresh] = index.try_emplace(name, params.size());
     if (fresh) {
       Param q;

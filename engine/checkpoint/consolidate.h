@@ -17,6 +17,10 @@ struct ConsolidateOptions {
   std::string dtype = "fp32";              // fp32, bf16 or fp16 (round to nearest even)
   int64_t max_shard_size = 5'000'000'000;  // bytes per file (transformers' default "5GB")
   bool include_frozen = true;              // frozen parameters (saved as `param/...`) too
+  // The names the model's owner sees (the manifest's export_names: zeal::Sharded's "block" level
+  // left out, LoRA adapter tensors left for the adapter file), as transformers loads them; false:
+  // the model's own names, adapters included.
+  bool model_names = true;
 };
 
 struct ConsolidateResult {

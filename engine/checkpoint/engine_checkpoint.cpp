@@ -42,6 +42,7 @@
 #include "engine/comm/communicator.h"
 #include "engine/engine_state.h"
 #include "engine/error.h"
+#include "engine/peft/lora.h"
 #include "engine/runtime/runtime.h"
 #include "offload/crc32c.h"
 
@@ -70,7 +71,8 @@ std::string safetensors_dtype(at::ScalarType t) {
 
 namespace {
 
-constexpr int kFormatVersion = 1;
+// 2: the model's buffers (kind "buffer") and the names exports use (export_names).
+constexpr int kFormatVersion = 2;
 
 
 at::ScalarType at_dtype(const std::string& d) {
@@ -474,6 +476,35 @@ class StreamApplier {
   int64_t done_ = 0, fill_ = 0;
 };
 
+// The names an export of `model` uses for its parameters and buffers, where they differ from the
+// model's own: zeal::Sharded's "block" level left out (as Hugging Face names modules), and null for
+// LoRA adapter tensors (the lora_A / lora_B of a layer that has both), which belong in the adapter
+// file, not the model's.
+json export_names(const torch::nn::Module& model) {
+  const auto hf = peft::hf_namer(model);
+  std::vector<std::string> adapters;  // "<layer>.lora_A.", "<layer>.lora_B."
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const auto children = item.value()->named_children();
+    if (children.contains("lora_A") && children.contains("lora_B")) {
+      adapters.push_back(item.key() + ".lora_A.");
+      adapters.push_back(item.key() + ".lora_B.");
+    }
+  }
+  json out = json::object();
+  auto add = [&](const std::string& name) {
+    for (const auto& a : adapters) {
+      if (name.rfind(a, 0) == 0) {
+        out[name] = nullptr;
+        return;
+      }
+    }
+    if (const std::string h = hf(name); h != name) out[name] = h;
+  };
+  for (const auto& item : model.named_parameters(true)) add(item.key());
+  for (const auto& item : model.named_buffers(true)) add(item.key());
+  return out;
+}
+
 }  // namespace
 
 void Engine::wait_for_save() {
@@ -549,6 +580,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
   meta["zero_stage"] = state_->zero->stage();
   meta["compute_dtype"] = c10::toString(compute_dtype_);
   meta["optimizer_steps"] = optimizer_steps_;
+  meta["export_names"] = export_names(*state_->module);
   json scheds = json::array();
   for (const auto& s : state_->schedulers) scheds.push_back({{"seen_steps", s.seen_steps}});
   meta["schedulers"] = scheds;
@@ -586,8 +618,17 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
     if (z.stage() == 3 && !options.include_frozen) {
       std::erase_if(plan.ranges, [](const zero::StateRange& r) { return r.step == nullptr; });
     }
-    for (const auto& r : plan.ranges) {
-      std::vector<std::string> kinds{"param"};
+    // The model's buffers, whole, from rank 0 (every rank's are rank 0's with broadcast_buffers).
+    const size_t first_buffer = plan.ranges.size();
+    if (rank == 0) {
+      for (const auto& item : state_->module->named_buffers(true)) {
+        const at::Tensor& b = item.value();
+        plan.ranges.push_back({item.key(), b.sizes().vec(), 0, b.numel(), b.detach().reshape({-1})});
+      }
+    }
+    for (size_t i = 0; i < plan.ranges.size(); ++i) {
+      const auto& r = plan.ranges[i];
+      std::vector<std::string> kinds{i >= first_buffer ? "buffer" : "param"};
       if (r.step) {
         kinds = {"master"};
         for (const auto& s : r.step->state_names()) kinds.push_back(s);
@@ -723,7 +764,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
   return dir.string();
 }
 
-void Engine::load_state(const std::string& dir_arg) {
+void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& options) {
   if (!state_->zero) throw Error("load_state: prepare a model and its optimizer first");
   wait_for_save();
   fs::path dir = dir_arg.empty() ? fs::path("checkpoints") : fs::path(dir_arg);
@@ -745,6 +786,8 @@ void Engine::load_state(const std::string& dir_arg) {
   std::vector<ckpt::CheckedReader::Read> reads;  // out = null: checked, then streamed
   std::vector<std::pair<size_t, int64_t>> read_to;  // each read's item and first element in its range
   std::unique_ptr<ckpt::CheckedReader> reader;
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // the model's, read
+  std::vector<std::unique_ptr<char[]>> kept;                // each read's bytes, when they fit the budget
   std::vector<std::pair<std::string, at::Tensor>> frozen_whole;  // stages 0-2
   std::vector<std::string> custom;                                 // register_for_checkpointing
   json m;
@@ -842,8 +885,40 @@ void Engine::load_state(const std::string& dir_arg) {
         }
       }
     }
+    // The model's buffers: whole (rank 0's when saved), read and kept now (they are small).
+    std::vector<ckpt::CheckedReader::Read> buffer_reads;
+    if (m.value("version", 1) >= 2) {
+      for (const auto& item : state_->module->named_buffers(true)) {
+        const at::Tensor& b = item.value();
+        auto pit = by.find({"buffer", item.key()});
+        if (pit == by.end()) throw Error(fmt::format("the checkpoint has no buffer '{}'", item.key()));
+        if (shapes.at(item.key()) != b.sizes().vec()) {
+          throw Error(fmt::format("buffer '{}' is {} in the checkpoint and {} in the model", item.key(),
+                                  json(shapes.at(item.key())).dump(), json(b.sizes().vec()).dump()));
+        }
+        const ckpt::SavedPiece& p = pit->second.front();
+        at::Tensor host = at::empty({b.numel()}, at::TensorOptions().dtype(at_dtype(p.dtype)));
+        buffer_reads.push_back({dir / p.file, &files.at(p.file), p.offset, static_cast<int64_t>(host.nbytes()),
+                                static_cast<char*>(host.data_ptr())});
+        buffers.push_back({b, host});
+      }
+    } else if (c.rank() == 0 && !state_->module->buffers(true).empty()) {
+      std::fprintf(stderr, "zeal: load_state: %s was saved without the model's buffers (format version 1): they "
+                   "keep their values\n", dir.string().c_str());
+    }
+    // What fits the budget is kept from the check to the apply (each byte read once).
+    int64_t total = 0;
+    for (const auto& r : reads) total += r.n;
+    const int64_t budget = options.memory_budget >= 0 ? options.memory_budget : default_staging_budget(c.world_size()) / 2;
+    if (total <= budget) {
+      for (auto& r : reads) {
+        kept.emplace_back(new char[static_cast<size_t>(r.n)]);  // not zeroed: every byte is read
+        r.out = kept.back().get();
+      }
+    }
     reader = std::make_unique<ckpt::CheckedReader>();
-    reader->read_many(reads);  // pass one: checked, nothing kept
+    reader->read_many(buffer_reads);
+    reader->read_many(reads);  // pass one: checked (and kept, within the budget)
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -859,9 +934,15 @@ void Engine::load_state(const std::string& dir_arg) {
     c10::NoGradGuard no_grad;
     GroupWalk walk(z, /*changed=*/true);
     StreamApplier apply(items, read_to, walk);
-    reader->read_many(reads, [&](size_t i, int64_t at, const char* p, int64_t n) { apply.take(i, at, p, n); });
+    if (!kept.empty()) {
+      for (size_t i = 0; i < reads.size(); ++i) apply.take(i, 0, kept[i].get(), reads[i].n);
+    } else {
+      reader->read_many(reads, [&](size_t i, int64_t at, const char* p, int64_t n) { apply.take(i, at, p, n); });
+    }
     apply.flush();
     walk.close();
+    kept.clear();
+    for (auto& [b, host] : buffers) b.copy_(host.view(b.sizes()));
     for (zero::ShardStep* s : z.steps()) s->optimizer().set_steps(m["optimizer_steps"].get<int64_t>());
   } catch (const std::exception& e) {
     reread = e.what();
@@ -1094,7 +1175,17 @@ std::vector<std::string> tensor_names(const std::string& path) {
 
 int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir) {
   try {
-    return detail::load_mapped(model, dir, [](const std::string& n) { return n; });
+    // The names an export wrote (export_names: the Sharded level left out; adapter tensors, which
+    // exports leave out, skipped), or the model's own where the files have them.
+    const auto in_files = detail::tensor_names(dir);
+    const std::unordered_set<std::string> names(in_files.begin(), in_files.end());
+    const json exported = export_names(model);
+    return detail::load_mapped(model, dir, [names, exported](const std::string& n) -> std::string {
+      if (names.count(n)) return n;
+      const auto it = exported.find(n);
+      if (it == exported.end()) return n;
+      return it->is_null() ? std::string() : it->get<std::string>();
+    });
   } catch (const Error& e) {
     throw Error(std::string("load_checkpoint_in_model: ") + e.what());
   }

@@ -194,6 +194,9 @@ struct Config {
   SchedulerConfig scheduler;
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
+  // After every optimizer step the model's buffers (BatchNorm statistics, EMAs, counters) take rank
+  // 0's values on every rank, as DDP's broadcast_buffers keeps them in step.
+  bool broadcast_buffers = true;
 
   // Accelerate/FSDP settings kept as given, with what zeal made of each.
   std::map<std::string, std::string> recorded;

@@ -270,6 +270,8 @@ std::vector<Field> make_fields() {
                         "Rank 0 prints DeepSpeed's progress line (step, skipped, lr, grad_norm) every this many steps"));
   f.push_back(bool_field("wall_clock_breakdown", ZEAL_GET(wall_clock_breakdown),
                          "Rank 0 prints forward/backward/step milliseconds with each steps_per_print line"));
+  f.push_back(bool_field("broadcast_buffers", ZEAL_GET(broadcast_buffers),
+                         "After every optimizer step the model's buffers take rank 0's values (DDP's broadcast_buffers)"));
   // ZeRO.
   f.push_back(int_field("zero_optimization.stage", ZEAL_GET(zero.stage), 0, 3,
                         "0: replicate (DDP); 1: shard optimizer states; 2: + gradients; 3: + parameters"));

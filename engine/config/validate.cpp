@@ -72,7 +72,8 @@ bool Config::operator==(const Config& o) const {
          train_micro_batch_size_per_gpu == o.train_micro_batch_size_per_gpu &&
          gradient_accumulation_steps == o.gradient_accumulation_steps &&
          gradient_clipping == o.gradient_clipping && optimizer == o.optimizer && scheduler == o.scheduler &&
-         steps_per_print == o.steps_per_print && wall_clock_breakdown == o.wall_clock_breakdown;
+         steps_per_print == o.steps_per_print && wall_clock_breakdown == o.wall_clock_breakdown &&
+         broadcast_buffers == o.broadcast_buffers;
 }
 
 Precision Config::precision() const {

@@ -4,7 +4,10 @@
 //   minilm_check train MODEL_DIR SENTENCES OUT_DIR     (under zeal launch, any stage): LoRA on
 //       query/value + the classifier as a module to save, 20 AdamW steps on fixed batches; writes
 //       OUT_DIR/initial (the adapter before training), OUT_DIR/final, losses.json, logits.json
+//       and OUT_DIR/export (engine.save_model)
 //   minilm_check eval MODEL_DIR SENTENCES ADAPTER OUT.json   logits with an adapter Python saved
+//   minilm_check export MODEL_DIR SENTENCES OUT_DIR    (under zeal launch): two full fine-tuning
+//       steps, then engine.save_model into OUT_DIR/export; logits in result.json
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
 
@@ -117,6 +120,34 @@ int main(int argc, char** argv) {
       std::ofstream(argv[5]) << json{{"logits", to_json(model->forward(b.ids, b.mask))}}.dump();
       return 0;
     }
+    if (mode == "export") {
+      // Full fine-tuning, two steps, then engine.save_model: what transformers loads.
+      zeal::Engine engine(zeal::Config::from_env_or_file(argc, argv));
+      const std::string out = argv[4];
+      at::manual_seed(0);
+      auto model = engine.init<BertForSequenceClassification>(no_dropout(dir), kLabels);
+      zeal::load_pretrained(model, dir, {.quiet = true});
+      torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
+      auto [m, o] = engine.prepare(model, opt);
+      const int64_t world = engine.num_processes(), rank = engine.process_index(), per = kBatch / world;
+      for (int64_t s = 0; s < 2; ++s) {
+        const size_t begin = static_cast<size_t>(s * kBatch + rank * per);
+        const Batch b = encode(tok, sentences, begin, per);
+        engine.backward(at::cross_entropy_loss(m->forward(b.ids, b.mask), labels_for(begin, per)));
+        o.step();
+        o.zero_grad();
+      }
+      engine.save_model(out + "/export");
+      at::Tensor logits;
+      {
+        c10::NoGradGuard ng;
+        const Batch b = encode(tok, sentences, 0, kBatch);
+        logits = m->forward(b.ids, b.mask);
+      }
+      if (engine.is_main_process()) std::ofstream(out + "/result.json") << json{{"logits", to_json(logits)}}.dump();
+      engine.wait_for_everyone();
+      return 0;
+    }
     if (mode != "train") throw zeal::Error("unknown mode " + mode);
     zeal::Engine engine(zeal::Config::from_env_or_file(argc, argv));
     const std::string out = argv[4];
@@ -140,6 +171,7 @@ int main(int argc, char** argv) {
       losses.push_back(engine.reduce(loss.detach(), "mean").item<double>());
     }
     peft.save_pretrained(out + "/final", &engine);
+    engine.save_model(out + "/export");  // the base model's names, no adapter tensors
     at::Tensor logits;
     {
       c10::NoGradGuard ng;

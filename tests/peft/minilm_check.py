@@ -110,11 +110,11 @@ def batch(begin, count):
     return torch.tensor([x.ids for x in e]), torch.tensor([x.attention_mask for x in e]), torch.tensor(labels)
 
 
-def run_zeal(name, nproc, config, port):
+def run_zeal(name, nproc, config, port, mode="train"):
     out = os.path.join(work, name)
     os.makedirs(out, exist_ok=True)
     # Its own port: other tests launch ranks at the same time.
-    cmd = [zeal_cli, "launch", "--num_processes", str(nproc), "--main_process_port", str(port), tool, "train",
+    cmd = [zeal_cli, "launch", "--num_processes", str(nproc), "--main_process_port", str(port), tool, mode,
            model_dir, sent_file, out,
            "--config_file", config]
     subprocess.run(cmd, check=True)
@@ -159,6 +159,41 @@ d = (zeal_in_py - tensor(z0["logits"])).abs().max().item()
 check(d <= 1e-5, f"peft loads zeal's adapter and gives zeal's logits (max |difference| {d:.2e})")
 d3 = (tensor(z3["logits"]) - tensor(z0["logits"])).abs().max().item()
 check(d3 <= 1e-4, f"stage 3 on 2 ranks gives stage 0's logits (max |difference| {d3:.2e})")
+
+# --- exports (engine.save_model) in transformers ---------------------------------------------------
+# A model whose encoder layers are zeal::Sharded units, exported after training: transformers loads
+# it with no missing or unexpected names, and gives zeal's logits; with LoRA the export is the base
+# model (no adapter tensors) and peft adds the adapter file to it.
+import safetensors.torch
+
+
+def load_export(path):
+    names = list(safetensors.torch.load_file(os.path.join(path, "model.safetensors")).keys())
+    bad = [n for n in names if ".block." in n or "lora_" in n]
+    check(not bad, f"{path}: {len(names)} tensors, none with Sharded's block level or an adapter's name {bad[:3]}")
+    # The model's own config.json beside the weights (save_model writes the weights only).
+    cfg = transformers.AutoConfig.from_pretrained(model_dir, num_labels=LABELS, hidden_dropout_prob=0.0,
+                                                  attention_probs_dropout_prob=0.0)
+    model, info = transformers.BertForSequenceClassification.from_pretrained(
+        path, config=cfg, attn_implementation="eager", output_loading_info=True)
+    missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    check(not missing and not unexpected, f"{path}: transformers finds every weight (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.eval()
+
+
+for name, nproc, config, port in (("export_stage0", 1, "configs/single_process.yaml", 29543),
+                                  ("export_stage3", 2, "configs/zero3.yaml", 29544)):
+    e_dir, e = run_zeal(name, nproc, config, port, mode="export")
+    with torch.no_grad():
+        got = load_export(os.path.join(e_dir, "export"))(input_ids=i, attention_mask=msk).logits.double()
+    d = (got - tensor(e["logits"])).abs().max().item()
+    check(d <= 1e-5, f"{name}: transformers loads the fine-tuned export and gives zeal's logits (max |difference| {d:.2e})")
+for name, d_dir, r in (("stage 0", z0_dir, z0), ("stage 3", z3_dir, z3)):
+    with torch.no_grad():
+        lm = peft.PeftModel.from_pretrained(load_export(os.path.join(d_dir, "export")), os.path.join(d_dir, "final")).eval()
+        got = lm(input_ids=i, attention_mask=msk).logits.double()
+    d = (got - tensor(r["logits"])).abs().max().item()
+    check(d <= 1e-5, f"LoRA {name}: the export plus peft's adapter gives zeal's logits (max |difference| {d:.2e})")
 
 py_dir = os.path.join(work, "python_adapter")
 pm.save_pretrained(py_dir)
