@@ -1,0 +1,17 @@
+// Faults a test asks for through the environment, at the checkpoint code's worst moments. Nothing
+// happens unless the variable is set.
+//   ZEAL_CHECKPOINT_KILL=write:<rank>  that rank is killed halfway through its file
+//   ZEAL_CHECKPOINT_KILL=latest        rank 0 is killed after the rename, before `latest` moves
+//   ZEAL_CHECKPOINT_FAULT=enospc:<rank> that rank's first write fails with ENOSPC
+#pragma once
+
+#include <string>
+
+namespace zeal::ckpt {
+
+// Kills this process (SIGKILL) when ZEAL_CHECKPOINT_KILL names `point` (or `point`:`rank`).
+void maybe_die(const std::string& point, int rank);
+// The errno ZEAL_CHECKPOINT_FAULT asks this rank's first checkpoint write to fail with (0: none).
+int injected_write_error(int rank);
+
+}  // namespace zeal::ckpt

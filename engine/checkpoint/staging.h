@@ -1,0 +1,131 @@
+// Where a rank's checkpoint bytes go, in order: the file's writer itself, or the host staging of an
+// asynchronous save (a bounded set of chunks the training thread fills and a background thread
+// writes). No LibTorch headers.
+#pragma once
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/checkpoint/safetensors.h"
+#include "engine/error.h"
+
+namespace zeal::ckpt {
+
+// Where a rank's bytes go, in order: the writer itself, or the staging of an asynchronous save.
+class Sink {
+ public:
+  virtual ~Sink() = default;
+  virtual void append(const void* data, int64_t n) = 0;
+};
+
+class WriterSink : public Sink {
+ public:
+  explicit WriterSink(SafetensorsWriter& w) : w_(w) {}
+  void append(const void* data, int64_t n) override { w_.append(data, n); }
+
+ private:
+  SafetensorsWriter& w_;
+};
+
+// An asynchronous save's snapshot: the training thread copies the state into at most `budget`
+// bytes of host memory, in chunks; the background thread writes each chunk and gives it back. A
+// state larger than the budget makes the copy wait for the writes.
+class Staging : public Sink {
+ public:
+  struct Chunk {
+    std::vector<char> bytes;
+    int64_t fill = 0;
+  };
+  explicit Staging(int64_t budget)
+      : chunk_(std::clamp<int64_t>(budget / 4, 64 << 10, 32 << 20)), max_(std::max<int64_t>(2, budget / chunk_)) {}
+
+  // The training thread's side.
+  void append(const void* data, int64_t n) override {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      if (!cur_) cur_ = take();
+      const int64_t k = std::min(n, chunk_ - cur_->fill);
+      std::memcpy(cur_->bytes.data() + cur_->fill, p, static_cast<size_t>(k));
+      cur_->fill += k;
+      p += k;
+      n -= k;
+      if (cur_->fill == chunk_) publish();
+    }
+  }
+  void close() {
+    if (cur_) publish();
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    cv_.notify_all();
+  }
+  // Either side: stop (the snapshot failed on some rank, or the writes did).
+  void cancel(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_.empty()) error_ = why;
+    cv_.notify_all();
+  }
+  bool cancelled() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !error_.empty();
+  }
+  // The background thread's side: the next chunk to write (null when all are written).
+  Chunk* next() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !ready_.empty() || closed_ || !error_.empty(); });
+    if (!error_.empty()) throw Error(error_);
+    if (ready_.empty()) return nullptr;
+    Chunk* c = ready_.front();
+    ready_.pop_front();
+    return c;
+  }
+  void done(Chunk* c) {
+    std::lock_guard<std::mutex> lock(mu_);
+    c->fill = 0;
+    free_.push_back(c);
+    cv_.notify_all();
+  }
+
+ private:
+  Chunk* take() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !free_.empty() || static_cast<int64_t>(all_.size()) < max_ || !error_.empty(); });
+    if (!error_.empty()) throw Error(error_);
+    if (!free_.empty()) {
+      Chunk* c = free_.back();
+      free_.pop_back();
+      return c;
+    }
+    all_.push_back(std::make_unique<Chunk>());
+    all_.back()->bytes.resize(static_cast<size_t>(chunk_));
+    return all_.back().get();
+  }
+  void publish() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_.push_back(cur_);
+    cur_ = nullptr;
+    cv_.notify_all();
+  }
+
+  const int64_t chunk_, max_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<Chunk>> all_;
+  std::vector<Chunk*> free_;
+  std::deque<Chunk*> ready_;
+  Chunk* cur_ = nullptr;
+  bool closed_ = false;
+  std::string error_;
+};
+
+// Host memory an asynchronous save may stage by default: half of what is available, shared by
+// the ranks.
+int64_t default_staging_budget(int world);
+
+}  // namespace zeal::ckpt

@@ -1,0 +1,135 @@
+// How a rank's state moves between the sharding and the checkpoint files: the plan of what a rank
+// writes, the walk that opens one group of ranges at a time (stage 3: one unit's shards from disk),
+// the writer's side (emit_file) and the loader's (StreamApplier), and the ranks' agreement on errors.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+
+#include "engine/checkpoint/safetensors.h"
+#include "engine/checkpoint/staging.h"
+#include "engine/checkpoint/tensor_dtype.h"
+#include "engine/error.h"
+#include "engine/zero/zero_optimizer.h"
+
+namespace zeal {
+class Engine;
+}
+
+namespace zeal::ckpt {
+
+// The frozen parameters outside stage 3 (whole on every rank), by name, each tensor once.
+std::vector<std::pair<std::string, at::Tensor>> frozen_params(torch::nn::Module& m);
+// Every rank's string, to every rank (collective).
+std::vector<std::string> all_strings(Engine& e, const std::string& text);
+// Every rank's error (empty: none) to every rank, as "\n  rank k: …" lines (empty: none failed).
+// Collective.
+std::string agreed_failures(Engine& e, const std::string& error);
+
+// What one rank writes into its file, in order.
+struct FilePlan {
+  struct Item {
+    const zero::StateRange* range;
+    std::string kind;
+  };
+  std::vector<zero::StateRange> ranges;
+  std::vector<Item> items;
+  std::vector<TensorEntry> entries;
+  std::vector<std::pair<std::string, at::Tensor>> rng;
+};
+
+// Walks state ranges in order, opening each range's group when it comes and closing the one before
+// (Sharding::open_group): one stage-3 unit's shards from disk in memory at a time.
+class GroupWalk {
+ public:
+  GroupWalk(zero::Sharding& z, bool changed) : z_(z), changed_(changed) {}
+  void at(const zero::StateRange& r) {
+    if (r.group < 0 || r.group == open_) return;
+    close();
+    z_.open_group(r.group);
+    open_ = r.group;
+  }
+  void close() {
+    if (open_ < 0) return;
+    const int g = open_;
+    open_ = -1;
+    z_.close_group(g, changed_);
+  }
+
+ private:
+  zero::Sharding& z_;
+  const bool changed_;
+  int open_ = -1;
+};
+
+// One kind of state ("param", "master", "exp_avg", ...) of one range, as a load applies it.
+struct LoadItem {
+  const zero::StateRange* range;
+  std::string kind, dtype;
+  int64_t es;  // bytes per element in the file
+};
+
+// A load's second pass: the checked bytes of each read, gathered into a small staging buffer and
+// applied a buffer at a time where they belong (Engine::load_state).
+class StreamApplier {
+ public:
+  StreamApplier(const std::vector<LoadItem>& items, const std::vector<std::pair<size_t, int64_t>>& read_to,
+                GroupWalk& walk)
+      : items_(items), read_to_(read_to), walk_(walk), buf_(kBytes) {}
+  void take(size_t read, int64_t at, const char* p, int64_t n) {
+    if (read != cur_) {
+      flush();
+      cur_ = read;
+      done_ = 0;
+      walk_.at(*items_[read_to_[read].first].range);
+    }
+    ZEAL_CHECK(at == done_ + fill_) << "checkpoint bytes out of order";
+    while (n > 0) {
+      const int64_t k = std::min(n, kBytes - fill_);
+      std::memcpy(buf_.data() + fill_, p, static_cast<size_t>(k));
+      fill_ += k;
+      p += k;
+      n -= k;
+      if (fill_ == kBytes) flush();
+    }
+  }
+  void flush() {
+    if (fill_ == 0) return;
+    const LoadItem& it = items_[read_to_[cur_].first];
+    const zero::StateRange& r = *it.range;
+    const int64_t first = read_to_[cur_].second + done_ / it.es, count = fill_ / it.es;
+    ZEAL_CHECK(fill_ % it.es == 0) << "a partial element of " << r.name;
+    const at::Tensor src = at::from_blob(buf_.data(), {count}, at::TensorOptions().dtype(at_dtype(it.dtype)));
+    if (it.kind == "param") {
+      r.values.narrow(0, first, count).copy_(src);
+    } else {
+      const at::Tensor f32 = src.to(at::kFloat).contiguous();
+      r.step->write_state(it.kind, r.index + first, count, f32.data_ptr<float>());
+      if (it.kind == "master") r.values.narrow(0, first, count).copy_(f32);  // the compute copy, as a step writes it
+    }
+    done_ += fill_;
+    fill_ = 0;
+  }
+
+ private:
+  static constexpr int64_t kBytes = 8 << 20;  // a multiple of every element size
+  const std::vector<LoadItem>& items_;
+  const std::vector<std::pair<size_t, int64_t>>& read_to_;
+  GroupWalk& walk_;
+  std::vector<char> buf_;
+  size_t cur_ = static_cast<size_t>(-1);
+  int64_t done_ = 0, fill_ = 0;
+};
+
+// The rank's file's bytes, in the plan's order, through `sink`; each range's group opened as it comes.
+void emit_file(const FilePlan& plan, Sink& sink, int rank, zero::Sharding& z);
+// The manifest's pieces of one rank's file (the writer knows their offsets from the start).
+nlohmann::json file_pieces(const FilePlan& plan, const SafetensorsWriter& w);
+
+}  // namespace zeal::ckpt
