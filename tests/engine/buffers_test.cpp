@@ -24,29 +24,20 @@ namespace {
 namespace fs = std::filesystem;
 
 struct NormBlockImpl : torch::nn::Module {
-  NormBlockImpl()
-      : fc(register_module("fc", torch::nn::Linear(8, 16))), bn(register_module("bn", torch::nn::BatchNorm1d(16))) {}
+  NormBlockImpl(int64_t in, int64_t out)
+      : fc(register_module("fc", torch::nn::Linear(in, out))), bn(register_module("bn", torch::nn::BatchNorm1d(out))) {}
   at::Tensor forward(const at::Tensor& x) { return at::relu(bn(fc(x))); }
   torch::nn::Linear fc;
   torch::nn::BatchNorm1d bn;
 };
 TORCH_MODULE(NormBlock);
 
-struct NormBlock2Impl : torch::nn::Module {
-  NormBlock2Impl()
-      : fc(register_module("fc", torch::nn::Linear(16, 8))), bn(register_module("bn", torch::nn::BatchNorm1d(8))) {}
-  at::Tensor forward(const at::Tensor& x) { return at::relu(bn(fc(x))); }
-  torch::nn::Linear fc;
-  torch::nn::BatchNorm1d bn;
-};
-TORCH_MODULE(NormBlock2);
-
 // Two units (each a Sharded block with a BatchNorm), dropout, a head, and two buffers of its own:
 // an EMA of the hidden state's batch mean and a count of training forwards.
 struct NetImpl : torch::nn::Module {
   NetImpl()
-      : b0(register_module("b0", zeal::Sharded<NormBlock>())),
-        b1(register_module("b1", zeal::Sharded<NormBlock2>())),
+      : b0(register_module("b0", zeal::Sharded<NormBlock>(8, 16))),
+        b1(register_module("b1", zeal::Sharded<NormBlock>(16, 8))),
         drop(register_module("drop", torch::nn::Dropout(0.2))),
         head(register_module("head", torch::nn::Linear(16, 4))) {
     ema = register_buffer("ema", at::zeros({16}));
@@ -62,7 +53,7 @@ struct NetImpl : torch::nn::Module {
     return head(h);
   }
   zeal::Sharded<NormBlock> b0;
-  zeal::Sharded<NormBlock2> b1;
+  zeal::Sharded<NormBlock> b1;
   torch::nn::Dropout drop;
   torch::nn::Linear head;
   at::Tensor ema, count;
