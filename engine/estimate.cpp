@@ -360,8 +360,10 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   add("gradients", G * g_share, r.offload_optimizer == Offload::kNvme ? "disk" : dev);
   const std::string mo_where = r.offload_optimizer == Offload::kNone ? dev : r.offload_optimizer == Offload::kCpu ? "host" : "disk";
   // Offloaded, the master weights are their own fp32 copy even for fp32 parameters (in host
-  // memory, or in the NVMe swap file's [master | m | v]).
-  add("master weights", (r.offload_optimizer != Offload::kNone ? 4 : M) * mo_share, mo_where);
+  // memory, or in the NVMe swap file's [master | m | v]) — except on CPU ranks offloading to the
+  // host memory they compute in: nothing moves but the optimizer state, and no step buffers exist.
+  const bool local_offload = r.offload_optimizer == Offload::kCpu && !r.on_gpu;
+  add("master weights", (r.offload_optimizer != Offload::kNone && !local_offload ? 4 : M) * mo_share, mo_where);
   add("optimizer states", O * mo_share, mo_where);
   double states = 0;
   for (const auto& part : p.parts)
@@ -382,7 +384,7 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   const double window = std::min({static_cast<double>(r.sub_group_size), static_cast<double>(kMaxNvmeWindowElems), mo_share});
   if (r.offload_optimizer == Offload::kNvme) {
     add("offload windows", (20.0 * std::clamp(r.buffer_count, 1, 3) + P) * window, "host");
-  } else if (r.offload_optimizer == Offload::kCpu) {
+  } else if (r.offload_optimizer == Offload::kCpu && !local_offload) {
     add("offload step buffers", (4.0 + P) * mo_share, "host");
   }
   // Activations kept for the backward (a transformer's: per layer and token 8·h + 2·ffn elements in

@@ -84,9 +84,11 @@ FlatGroup::FlatGroup(Communicator& comm, std::vector<at::Tensor> params, std::ve
   // parameters are their own master weights (no copy) when the optimizer is fused.
   at::Tensor init = initial_flat_values(params_, flat_offset_, padded_, comm_, /*same_everywhere=*/false);
   at::Tensor master;
-  // Offloaded: the master is made on the host and the state in the arena (ShardStep::offload_to).
+  // Offloaded: the state is made in the arena (ShardStep::offload_to).
   if (!opts_.offload) optimizer->allocate_state(owned_total_, init.options());
-  if (opts_.offload || !ShardStep::can_alias(*optimizer, opts_.compute_dtype, init.device())) {
+  // Offloaded from a GPU, the master is a host copy; on the CPU the host is where the parameters are.
+  const bool offload_elsewhere = opts_.offload && !init.device().is_cpu();
+  if (offload_elsewhere || !ShardStep::can_alias(*optimizer, opts_.compute_dtype, init.device())) {
     master = at::empty({owned_total_}, init.options().device(opts_.offload ? at::Device(at::kCPU) : init.device()));
     for (int b = 0; b < num_buckets(); ++b) {
       master.narrow(0, buckets_[b].master_offset, buckets_[b].owned_len).copy_(owned_view(init, b));

@@ -202,15 +202,22 @@ const at::Tensor& ShardStep::fp32_grads(double inv_scale) {
 
 void ShardStep::offload_to(std::shared_ptr<offload::HostArena> arena) {
   ZEAL_CHECK(!arena_) << "a partition offloaded twice";
-  ZEAL_CHECK(master_.defined()) << "an offloaded partition keeps its master weights apart from the parameters";
   c10::NoGradGuard no_grad;
   arena_ = std::move(arena);
-  at::Tensor host = arena_tensor(arena_, total_, at::kFloat);
-  if (total_ > 0) host.copy_(master_);
-  master_ = host;
+  // A partition that computes on the CPU is in host memory already: the optimizer state (and a
+  // separate master, when there is one) moves into the arena, and the step runs where the
+  // gradients and parameters are, with no copy of either (fp32 parameters stay their own master).
+  local_ = state_options_.device().is_cpu();
+  ZEAL_CHECK(local_ || master_.defined()) << "an offloaded partition keeps its master weights apart from the parameters";
+  if (master_.defined()) {
+    at::Tensor host = arena_tensor(arena_, total_, at::kFloat);
+    if (total_ > 0) host.copy_(master_);
+    master_ = host;
+  }
   auto a = arena_;
   optimizer_->set_state_allocator([a](int64_t n, at::ScalarType dtype) { return arena_tensor(a, n, dtype); });
   optimizer_->allocate_state(total_, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
+  if (local_) return;
   host_grad_ = arena_tensor(arena_, total_, at::kFloat);
   const at::ScalarType out_type = pieces_.empty() ? at::kFloat : pieces_[0].out.scalar_type();
   for (const Piece& p : pieces_) {
@@ -425,7 +432,7 @@ void ShardStep::apply(double lr, double inv_scale) {
   optimizer_->set_lr(lr);
   if (total_ == 0) return;
   if (swap_) return apply_nvme(inv_scale);
-  if (arena_) return apply_offloaded(lr, inv_scale);
+  if (arena_ && !local_) return apply_offloaded(lr, inv_scale);
   if (!fused_) {
     optimizer_->step(master_, fp32_grads(inv_scale));
     each_out([&](const Piece& p) { p.out.copy_(master_.narrow(0, p.offset, p.out.numel())); });

@@ -78,8 +78,10 @@ class ShardStep {
   // ZeRO-Offload: the master (which must be a separate tensor), the optimizer state and two step
   // buffers (fp32 gradients, compute-precision results) move into the arena's host memory. From then
   // on apply() streams the gradients into the host buffer, updates on the CPU and streams the results
-  // back into every piece's `out`. Bit-identical to the step without offload. Call once, before the
-  // first step.
+  // back into every piece's `out`. A partition that computes on the CPU is in host memory already:
+  // only its optimizer state (and a separate master, if any: fp32 parameters with a fused optimizer
+  // stay their own) moves into the arena, no step buffers are made, and the step is the one without
+  // offload. Bit-identical to the step without offload. Call once, before the first step.
   void offload_to(std::shared_ptr<offload::HostArena> arena);
   bool offloaded() const { return arena_ != nullptr; }
   // NVMe offload (instead of offload_to): the master (a separate tensor) and the optimizer state
@@ -190,6 +192,7 @@ class ShardStep {
   std::unique_ptr<offload::IoEngine> writer_;  // the write-back's own engine (the file's reads)
 
   std::shared_ptr<offload::HostArena> arena_;
+  bool local_ = false;  // offloaded to the host memory it computes in (a CPU partition): no step buffers
   at::Tensor host_grad_, host_out_;  // offload: the step's buffers in the arena
   at::Tensor master_;
   int64_t total_ = 0;                // elements of the partition (the optimizer state's size)

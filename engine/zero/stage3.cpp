@@ -148,7 +148,7 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
   // fp32 parameters are their own master weights (no copy) when the group's optimizer is fused.
   std::vector<bool> alias_master(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    alias_master[g] = !opts_.offload && !opts_.param_swap &&
+    alias_master[g] = (!opts_.offload || opts_.device.is_cpu()) && !opts_.nvme && !opts_.param_swap &&
                       ShardStep::can_alias(*groups[g].optimizer, opts_.compute_dtype, opts_.device);
   }
   // offload_param nvme: which units' shards go to disk. Units that are not persistent, in build

@@ -1,7 +1,8 @@
-// Offload to host memory (offload_optimizer.device cpu; in stage 3 offload_param.device cpu too):
-// the master weights and Adam's state live in the offload manager's arena and the step streams the
-// gradients in and the parameters out. Same arithmetic, so the same bits as without offload, on
-// 1–3 ranks, stages 1–3, fp32 and bf16, with accumulation and clipping.
+// Offload to host memory (offload_optimizer.device cpu; in stage 3 offload_param.device cpu too) on
+// CPU ranks: Adam's state (and a master where the parameters cannot be their own) lives in the
+// offload manager's arena, with no second copy of anything. Same arithmetic, so the same bits as
+// without offload, on 1–3 ranks, stages 1–3, fp32 and bf16, with accumulation and clipping. (From a
+// GPU the step streams the gradients in and the parameters out: tests/engine/cuda_engine_test.cpp.)
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
@@ -67,15 +68,19 @@ TEST_P(OffloadCpu, TrainsBitIdenticalToNoOffload) {
   s.offload = true;
   const RunResult off = run_engine(s, "offload_on_" + case_name({c, 0}));
   expect_bit_identical(plain, off);
-  // What the offload manager holds: an fp32 master (4 B), m and v (8 B), and the step's fp32
-  // gradient (4 B) and compute-precision result (P B) buffers for every element this rank owns.
-  const double p_bytes = c.precision == "no" ? 4 : 2;
+  // What the offload manager holds on CPU ranks, whose host memory is where they compute: m and v
+  // (8 B) for every element this rank owns, and a master (4 B) only where the parameters cannot be
+  // their own (bf16); no copy of fp32 parameters and no step buffers, so exactly the master and
+  // state the run without offload holds.
+  const bool fp32 = c.precision == "no";
   for (size_t r = 0; r < off.params.size(); ++r) {
     const double master = off.memory[r][2].item<double>(), state = off.memory[r][3].item<double>();
-    const double owned = master / 4;
+    const double owned = state / 8;
     EXPECT_GT(owned, 0);
-    EXPECT_EQ(state, 8 * owned);
-    EXPECT_EQ(off.memory[r][9].item<double>(), (4 + 8 + 4 + p_bytes) * owned) << "rank " << r;
+    EXPECT_EQ(master, (fp32 ? 0 : 4) * owned) << "rank " << r;
+    EXPECT_EQ(off.memory[r][9].item<double>(), master + state) << "rank " << r;
+    EXPECT_EQ(plain.memory[r][2].item<double>(), master) << "rank " << r;
+    EXPECT_EQ(plain.memory[r][3].item<double>(), state) << "rank " << r;
     EXPECT_EQ(plain.memory[r][9].item<double>(), 0);
   }
 }
