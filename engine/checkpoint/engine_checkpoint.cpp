@@ -473,7 +473,9 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
         r.out = kept.back().get();
       }
     }
-    reader = std::make_unique<ckpt::CheckedReader>();
+    // Two passes read through the page cache: the second finds there what memory pressure left of
+    // the first (the page cache is the kernel's to give back, not this process's).
+    reader = std::make_unique<ckpt::CheckedReader>(32 << 20, /*direct=*/!kept.empty() || reads.empty());
     reader->read_many(buffer_reads);
     reader->read_many(reads);  // pass one: checked (and kept, within the budget)
   } catch (const std::exception& e) {

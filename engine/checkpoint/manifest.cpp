@@ -30,6 +30,7 @@ struct CheckedReader::Impl {
   std::unique_ptr<offload::IoEngine> io;
   std::vector<std::unique_ptr<offload::AlignedBuffer>> bufs;  // the reader's ring
   int64_t span = 0;
+  bool direct = true;
   ~Impl() {
     for (auto& [p, f] : files) {
       if (f.direct >= 0) ::close(f.direct);
@@ -42,12 +43,13 @@ struct CheckedReader::Impl {
     Fds f;
     f.buffered = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (f.buffered < 0) throw Error(fmt::format("checkpoint: {} is missing ({})", path.string(), std::strerror(errno)));
-    f.direct = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // -1 where the file system has none
+    if (direct) f.direct = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // -1 where the file system has none
     return files[path.string()] = f;
   }
 };
 
-CheckedReader::CheckedReader(int64_t span) : impl_(std::make_unique<Impl>()) {
+CheckedReader::CheckedReader(int64_t span, bool direct) : impl_(std::make_unique<Impl>()) {
+  impl_->direct = direct;
   offload::IoOptions o;
   o.queue_depth = 32;
   impl_->io = offload::make_io_engine(o);

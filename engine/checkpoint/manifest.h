@@ -43,7 +43,9 @@ class CheckedReader {
   // Where the checked bytes of a Read whose `out` is null go, in order: `at` bytes into read
   // `read`, `n` bytes at `p` (valid during the call). Without one, such a read is only checked.
   using Sink = std::function<void(size_t read, int64_t at, const char* p, int64_t n)>;
-  explicit CheckedReader(int64_t span = 32 << 20);  // bytes read at once
+  // span: bytes read at once. direct: whole blocks with O_DIRECT (no page cache); false: every read
+  // through the page cache (a second read of the same bytes soon after then costs no disk time).
+  explicit CheckedReader(int64_t span = 32 << 20, bool direct = true);
   ~CheckedReader();
   CheckedReader(const CheckedReader&) = delete;
   CheckedReader& operator=(const CheckedReader&) = delete;
