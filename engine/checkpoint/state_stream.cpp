@@ -54,6 +54,10 @@ void emit_file(const FilePlan& plan, Sink& sink, int rank, zero::Sharding& z) {
       sink.append(v.data_ptr(), static_cast<int64_t>(v.nbytes()));
       continue;
     }
+    if (const float* p = r.step->host_state(plan.items[i].kind, r.index, r.count)) {
+      sink.append(p, r.count * 4);  // in host memory already: copied once, from there
+      continue;
+    }
     for (int64_t at = 0; at < r.count; at += static_cast<int64_t>(chunk.size())) {
       const int64_t n = std::min<int64_t>(static_cast<int64_t>(chunk.size()), r.count - at);
       r.step->read_state(plan.items[i].kind, r.index + at, n, chunk.data());

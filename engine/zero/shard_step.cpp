@@ -505,6 +505,23 @@ std::vector<std::string> ShardStep::state_names() const {
   return names;
 }
 
+const float* ShardStep::host_state(const std::string& what, int64_t index, int64_t n) const {
+  if (swap_ || n <= 0 || index < 0 || index + n > total_) return nullptr;
+  auto at = [&](const at::Tensor& t, int64_t i) -> const float* {
+    if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous()) return nullptr;
+    return i >= 0 && i + n <= t.numel() ? t.data_ptr<float>() + i : nullptr;
+  };
+  if (what == "master") {
+    if (master_.defined()) return at(master_, index);
+    for (const Piece& p : pieces_)
+      if (index >= p.offset && index + n <= p.offset + p.out.numel()) return at(p.out, index - p.offset);
+    return nullptr;
+  }
+  const auto st = optimizer_->state();
+  const auto it = st.find(what);
+  return it == st.end() ? nullptr : at(it->second, index);
+}
+
 void ShardStep::state_io(const std::string& what, int64_t index, int64_t n, float* buf, bool write) {
   if (n <= 0) return;
   ZEAL_CHECK(index >= 0 && index + n <= total_) << "state range [" << index << ", " << index + n

@@ -147,6 +147,10 @@ class ShardStep {
   // (write) `buf`, fp32 host memory, wherever they live: the device, the host arena, the parameters
   // themselves (aliased), or the swap file (window by window, as the step reads and writes them).
   std::vector<std::string> state_names() const;
+  // Where elements [index, index + n) of "master" or a state tensor lie as contiguous fp32 in host
+  // memory, when they do (a save then copies them once, straight from there); else null (on a
+  // device, on NVMe, or across pieces of aliased parameters).
+  const float* host_state(const std::string& what, int64_t index, int64_t n) const;
   void read_state(const std::string& what, int64_t index, int64_t n, float* buf) { state_io(what, index, n, buf, false); }
   void write_state(const std::string& what, int64_t index, int64_t n, const float* buf) {
     state_io(what, index, n, const_cast<float*>(buf), true);
