@@ -214,8 +214,11 @@ int main(int argc, char** argv) {
     auto loop = std::make_shared<LoopStep>();
     engine.register_for_checkpointing(loop);
     if (!resume.empty()) {
+      zeal::MemoryTracker load_phase(engine, "load");
       engine.load_state(resume);
-      engine.print(fmt::format("zeal: resumed from {} after step {}", resume, loop->step));
+      const zeal::PhaseMemory loaded = load_phase.end(false);
+      engine.print(fmt::format("zeal: resumed from {} after step {}; the load's peak resident set {} (rank 0)", resume,
+                               loop->step, zeal::format_bytes(static_cast<double>(loaded.cpu.peak))));
     }
     const int64_t first_step = loop->step;
     // Held-out loss: the same windows every time (drawn from --seed), each rank its rows, averaged
