@@ -692,12 +692,12 @@ void Engine::step() {
   const std::vector<double> lrs = learning_rates();
   const auto r = state_->zero->step(inv_scale(), clip, lrs);
   state_->grads_pending = false;
-  sync_buffers();
   last_grad_norm_ = r.grad_norm;
   last_step_skipped_ = !r.stepped;
   if (!r.abandoned.empty()) {
     if (is_main_process()) std::cerr << fmt::format("zeal: optimizer step {} skipped: {}\n", optimizer_steps_ + 1, r.abandoned);
     ++skipped_steps_;
+    sync_buffers();
     report_progress(lrs);
     return;
   }
@@ -712,6 +712,7 @@ void Engine::step() {
   } else {
     ++skipped_steps_;
   }
+  sync_buffers();  // after the counters: a failure here leaves them in step with the optimizer
   if (config_.wall_clock_breakdown) {
     synchronize();
     auto& w = state_->wall;

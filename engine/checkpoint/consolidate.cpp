@@ -136,13 +136,19 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
   std::map<std::string, size_t> index;
   // The model's buffers are written too (BatchNorm's statistics; saved by rank 0, whole).
   const json renames = o.model_names && m.contains("export_names") ? m["export_names"] : json::object();
+  std::map<std::string, std::string> source;  // each name written: the model's name it comes from
   for (const auto& p : m["pieces"]) {
     const std::string kind = p["kind"].get<std::string>();
     if (kind != "master" && kind != "buffer" && !(kind == "param" && o.include_frozen)) continue;
-    std::string name = p["name"].get<std::string>();
-    if (const auto r = renames.find(name); r != renames.end()) {
+    const std::string own = p["name"].get<std::string>();
+    std::string name = own;
+    if (const auto r = renames.find(own); r != renames.end()) {
       if (r->is_null()) continue;  // an adapter tensor
       name = r->get<std::string>();
+    }
+    if (const auto [it, fresh] = source.try_emplace(name, own); !fresh && it->second != own) {
+      throw Error(fmt::format("'{}' and '{}' would both be written as '{}'; consolidate with --keep_names", it->second,
+                              own, name));
     }
     auto [it, fresh] = index.try_emplace(name, params.size());
     if (fresh) {
@@ -194,6 +200,9 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
       int64_t covered = 0;
       for (const SavedPiece& s : p.pieces) {
         if (s.dtype != p.dtype) throw Error(fmt::format("the pieces of '{}' differ in dtype", p.name));
+        if (s.begin < 0 || s.count < 0 || s.begin + s.count > p.numel) {
+          throw Error(fmt::format("a piece of '{}' lies outside its {} elements", p.name, p.numel));
+        }
         reader.read(dir / s.file, files.at(s.file), s.offset, s.count * es, src.data() + s.begin * es);
         covered += s.count;
       }

@@ -466,7 +466,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     // What fits the budget is kept from the check to the apply (each byte read once).
     int64_t total = 0;
     for (const auto& r : reads) total += r.n;
-    const int64_t budget = options.memory_budget >= 0 ? options.memory_budget : default_staging_budget(c.world_size()) / 2;
+    const int64_t budget = options.memory_budget >= 0 ? options.memory_budget : default_staging_budget(runtime_->local_world_size()) / 2;
     if (total <= budget) {
       for (auto& r : reads) {
         kept.emplace_back(new char[static_cast<size_t>(r.n)]);  // not zeroed: every byte is read

@@ -207,7 +207,7 @@ void ShardStep::offload_to(std::shared_ptr<offload::HostArena> arena) {
   // A partition that computes on the CPU is in host memory already: the optimizer state (and a
   // separate master, when there is one) moves into the arena, and the step runs where the
   // gradients and parameters are, with no copy of either (fp32 parameters stay their own master).
-  local_ = state_options_.device().is_cpu();
+  local_ = pieces_.empty() || pieces_[0].out.device().is_cpu();  // (a GPU's master is on the host already)
   ZEAL_CHECK(local_ || master_.defined()) << "an offloaded partition keeps its master weights apart from the parameters";
   if (master_.defined()) {
     at::Tensor host = arena_tensor(arena_, total_, at::kFloat);

@@ -469,6 +469,8 @@ void Stage3::apply(double inv_scale, const std::vector<double>& lrs) {
       continue;
     }
     if (!u->train_.layout) continue;
+    // (its shard comes back if the step did not need it here: a rank that owns none of it)
+    if (u->shards_on_disk()) u->load_shards(/*trainable_only=*/true);
     if (comm_.world_size() > 1) {
       comm_.all_gather(u->train_.shard, u->train_.full).wait();
     } else {
@@ -652,9 +654,14 @@ void Stage3::close_group(int group, bool changed) {
   ZEAL_CHECK(open_ == group) << "close_group(" << group << "): group " << open_ << " is open";
   open_ = -1;
   Unit& u = *units_[group];
-  if (changed) {
-    c10::NoGradGuard no_grad;
-    u.store_shards(/*trainable_only=*/false);
+  try {
+    if (changed) {
+      c10::NoGradGuard no_grad;
+      u.store_shards(/*trainable_only=*/false);
+    }
+  } catch (...) {
+    if (u.pending_.empty()) u.drop_shards();  // never kept as if it were what the disk holds
+    throw;
   }
   if (u.pending_.empty()) u.drop_shards();
 }

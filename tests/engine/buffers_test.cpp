@@ -6,15 +6,19 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 
+#include "engine/checkpoint/consolidate.h"
 #include "engine/checkpoint/safetensors.h"
+#include "engine/error.h"
 #include "engine/zero/sharded.h"
 #include "tests/engine/engine_harness.h"
 
@@ -205,6 +209,35 @@ TEST(Buffers, ExportsHoldThemUnderTheOwnersNames) {
   Net fresh;
   EXPECT_EQ(zeal::load_checkpoint_in_model(*fresh, dir + "/export"), static_cast<int64_t>(header.tensors.size()));
   EXPECT_TRUE(at::equal(buffers_of(*fresh), read_tensor(dir + "/buffers")));
+  fs::remove_all(dir);
+}
+
+// Two model names that would be written under one export name are refused by the consolidation,
+// naming both (the manifest's export_names edited to make them collide).
+TEST(Buffers, ExportNamesThatCollideAreRefusedNamingBoth) {
+  const std::string dir = temp_dir("buffers_collide");
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(make_config(spec(0)), rt);
+        Net net;
+        torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+        auto [m, o] = engine.prepare(net, opt);
+        engine.save_state(dir + "/ckpt");
+      },
+      1);
+  ASSERT_EQ(zeal::describe_failures(results), "");
+  const std::string manifest = dir + "/ckpt/manifest.json";
+  nlohmann::json mf = nlohmann::json::parse(std::ifstream(manifest));
+  mf["export_names"]["b0.block.fc.weight"] = "fc.weight";
+  mf["export_names"]["b1.block.fc.weight"] = "fc.weight";
+  std::ofstream(manifest) << mf.dump();
+  try {
+    zeal::ckpt::consolidate(dir + "/ckpt", dir + "/out", {});
+    ADD_FAILURE() << "two tensors written as one name";
+  } catch (const zeal::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("'b0.block.fc.weight' and 'b1.block.fc.weight'"), std::string::npos) << msg;
+  }
   fs::remove_all(dir);
 }
 

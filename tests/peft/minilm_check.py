@@ -181,8 +181,8 @@ def load_export(path):
     return model.eval()
 
 
-for name, nproc, config, port in (("export_stage0", 1, "configs/single_process.yaml", 29543),
-                                  ("export_stage3", 2, "configs/zero3.yaml", 29544)):
+for name, nproc, config, port in (("export_stage0", 1, "configs/single_process.yaml", 29551),
+                                  ("export_stage3", 2, "configs/zero3.yaml", 29552)):
     e_dir, e = run_zeal(name, nproc, config, port, mode="export")
     with torch.no_grad():
         got = load_export(os.path.join(e_dir, "export"))(input_ids=i, attention_mask=msk).logits.double()
