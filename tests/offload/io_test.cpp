@@ -275,7 +275,8 @@ TEST(SwapDirectory, AFileSystemWithoutDirectIoIsNamed) {
 }
 
 // CRC32C against the published check values (RFC 3720 B.4; "123456789" → e3069283) and the
-// hardware path against the table path on every length and alignment up to 64 bytes and on 1 MiB.
+// hardware path against the table path on every length and alignment up to 64 bytes, around its
+// three-lane rounds, and on 1 MiB.
 TEST(Crc32c, MatchesPublishedValuesAndTheTable) {
   const std::string digits = "123456789";
   EXPECT_EQ(crc32c(digits.data(), digits.size()), 0xE3069283u);
@@ -296,6 +297,12 @@ TEST(Crc32c, MatchesPublishedValuesAndTheTable) {
   EXPECT_EQ(crc32c(b.data(), 1 << 20), crc32c_table(b.data(), 1 << 20));
   // Continuing a CRC over two pieces is the CRC of the whole.
   EXPECT_EQ(crc32c(b.data() + 1000, (1 << 20) - 1000, crc32c(b.data(), 1000)), crc32c(b.data(), 1 << 20));
+  // Around the three-lane rounds (12 KiB each): lengths just under, at and over one and two rounds,
+  // at odd offsets, and a continuation that starts mid-round.
+  for (const size_t n : {12287u, 12288u, 12289u, 24575u, 24576u, 24583u, 100000u})
+    for (const size_t off : {0u, 3u})
+      ASSERT_EQ(crc32c(b.data() + off, n), crc32c_table(b.data() + off, n)) << off << " " << n;
+  EXPECT_EQ(crc32c(b.data() + 5000, 30000, crc32c(b.data(), 5000)), crc32c_table(b.data(), 35000));
 }
 
 // aio.verify: a byte changed on disk behind the swap file's back is found when its block is read
