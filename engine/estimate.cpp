@@ -143,19 +143,43 @@ ModelShape hf_config_shape(const std::string& path) {
   } catch (const std::exception& e) {
     throw std::runtime_error("--hf_config: " + path + " is not valid JSON: " + e.what());
   }
-  auto get = [&](std::initializer_list<const char*> keys) -> int64_t {
+  // Every size read is an integer in its range, named with the file and the key when it is not, so
+  // nothing below overflows (at every limit at once a model has under 1e16 parameters).
+  auto checked = [&](const char* k, int64_t lo, int64_t hi) -> int64_t {
+    const nlohmann::json& v = j[k];
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi))) {
+      throw std::runtime_error(
+          fmt::format("--hf_config: {}: '{}' is {}; it must be an integer from {} to {}", path, k, v.dump(), lo, hi));
+    }
+    const int64_t x = v.get<int64_t>();
+    if (x < lo || x > hi) {
+      throw std::runtime_error(fmt::format("--hf_config: {}: '{}' is {}; it must be from {} to {}", path, k, x, lo, hi));
+    }
+    return x;
+  };
+  auto get_in = [&](std::initializer_list<const char*> keys, int64_t lo, int64_t hi) -> int64_t {
     for (const char* k : keys)
-      if (j.contains(k) && j[k].is_number_integer()) return j[k].get<int64_t>();
+      if (j.contains(k) && !j[k].is_null()) return checked(k, lo, hi);
     throw std::runtime_error(fmt::format("--hf_config: {} has no integer '{}'", path, *keys.begin()));
   };
+  auto opt_in = [&](const char* k, int64_t fallback, int64_t lo, int64_t hi) -> int64_t {
+    return j.contains(k) && !j[k].is_null() ? checked(k, lo, hi) : fallback;
+  };
+  constexpr int64_t kMaxHidden = 1 << 16, kMaxLayers = 4096, kMaxVocab = 1 << 22, kMaxContext = 1 << 22,
+                    kMaxFfn = 1 << 20;
   const std::string type = j.value("model_type", std::string(j.contains("n_embd") ? "gpt2" : "bert"));
   ModelShape m;
   m.name = type + " (" + path + ")";
-  const int64_t h = get({"hidden_size", "n_embd"}), layers = get({"num_hidden_layers", "n_layer"});
-  const int64_t heads = get({"num_attention_heads", "n_head"}), vocab = get({"vocab_size"});
+  const int64_t h = get_in({"hidden_size", "n_embd"}, 1, kMaxHidden);
+  const int64_t layers = get_in({"num_hidden_layers", "n_layer"}, 1, kMaxLayers);
+  const int64_t heads = get_in({"num_attention_heads", "n_head"}, 1, h), vocab = get_in({"vocab_size"}, 1, kMaxVocab);
+  if (h % heads != 0) {
+    throw std::runtime_error(fmt::format("--hf_config: {}: the hidden size {} is not a multiple of the {} attention heads",
+                                         path, h, heads));
+  }
   if (type == "gpt2") {
-    const int64_t ctx = get({"n_positions", "max_position_embeddings"});
-    const int64_t ffn = j.contains("n_inner") && j["n_inner"].is_number_integer() ? j["n_inner"].get<int64_t>() : 4 * h;
+    const int64_t ctx = get_in({"n_positions", "max_position_embeddings"}, 1, kMaxContext);
+    const int64_t ffn = opt_in("n_inner", 4 * h, 1, kMaxFfn);
     const int64_t block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * ffn + ffn) + (ffn * h + h);
     const int64_t root = (vocab + ctx) * h + 2 * h;
     m.params = root + layers * block;
@@ -167,8 +191,12 @@ ModelShape hf_config_shape(const std::string& path) {
     for (int64_t l = 0; l < layers; ++l) m.units.push_back(block);
     m.transformer = ModelShape::Transformer{layers, h, heads, vocab, ffn};
   } else if (type == "llama" || type == "mistral" || type == "qwen2") {
-    const int64_t ffn = get({"intermediate_size"});
-    const int64_t kv = j.contains("num_key_value_heads") ? j["num_key_value_heads"].get<int64_t>() : heads;
+    const int64_t ffn = get_in({"intermediate_size"}, 1, kMaxFfn);
+    const int64_t kv = opt_in("num_key_value_heads", heads, 1, heads);
+    if (heads % kv != 0) {
+      throw std::runtime_error(fmt::format("--hf_config: {}: 'num_attention_heads' {} is not a multiple of "
+                                           "'num_key_value_heads' {}", path, heads, kv));
+    }
     const int64_t kv_dim = h / heads * kv;
     const bool bias = type == "qwen2";
     const int64_t block = 2 * h + h * h + 2 * h * kv_dim + h * h + 3 * h * ffn + (bias ? h + 2 * kv_dim : 0);
@@ -187,8 +215,8 @@ ModelShape hf_config_shape(const std::string& path) {
     // gate's and up projection's outputs, the activated gate and the product.
     m.transformer->kept_per_token = 4 * h + (h + 2 * kv_dim) + (h + kv_dim) + h + 4 * ffn;
   } else {  // BERT and its kin: embeddings (word, position, type, LayerNorm), blocks, pooler
-    const int64_t ffn = get({"intermediate_size"}), ctx = get({"max_position_embeddings"});
-    const int64_t types = j.contains("type_vocab_size") ? j["type_vocab_size"].get<int64_t>() : 2;
+    const int64_t ffn = get_in({"intermediate_size"}, 1, kMaxFfn), ctx = get_in({"max_position_embeddings"}, 1, kMaxContext);
+    const int64_t types = opt_in("type_vocab_size", 2, 0, 1024);
     const int64_t block = 4 * (h * h + h) + 2 * h + (h * ffn + ffn) + (ffn * h + h) + 2 * h;
     const int64_t root = (vocab + ctx + types) * h + 2 * h + (h * h + h);
     m.params = root + layers * block;

@@ -61,6 +61,21 @@ check "$zeal" "--max_shard_size" consolidate /nonexistent /tmp/zeal-flags-out --
 check "$zeal" "--max_shard_size" consolidate /nonexistent /tmp/zeal-flags-out --max_shard_size 1.2.3GB
 check "$zeal" "--mib" offload tune --nvme_path /tmp --mib 17592186044416
 tmpd=$(mktemp -d)
+# Each config.json value estimate-memory reads is checked, naming the key (never a flag the user did
+# not give, never an overflow to a negative size).
+hfd=$(mktemp -d)
+gpt() { printf '{"model_type": "gpt2", "n_embd": %s, "n_layer": %s, "n_head": 12, "vocab_size": %s, "n_positions": 1024}' "$@"; }
+gpt -768 12 50257 > "$hfd/neg.json"
+gpt 768 99999999999 50257 > "$hfd/layers.json"
+gpt 768 12 5e12 > "$hfd/vocab.json"
+gpt 768 12 18446744073709551615 > "$hfd/huge.json"
+printf '{"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 5, "vocab_size": 32000, "intermediate_size": 11008}' > "$hfd/kv.json"
+check "$zeal" "'n_embd' is -768" estimate-memory --hf_config "$hfd/neg.json"
+check "$zeal" "'n_layer' is 99999999999" estimate-memory --hf_config "$hfd/layers.json"
+check "$zeal" "'vocab_size' is 5000000000000.0" estimate-memory --hf_config "$hfd/vocab.json"
+check "$zeal" "'vocab_size' is 18446744073709551615" estimate-memory --hf_config "$hfd/huge.json"
+check "$zeal" "'num_key_value_heads' 5" estimate-memory --hf_config "$hfd/kv.json"
+rm -rf "$hfd"
 check "$zeal" "--zero_stage" config --config_file "$tmpd/a.yaml" --zero_stage abc
 check "$zeal" "--num_processes" config --config_file "$tmpd/a.yaml" --num_processes 0
 check "$zeal" "--distributed_type" config --config_file "$tmpd/a.yaml" --distributed_type BOGUS
