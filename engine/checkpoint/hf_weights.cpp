@@ -309,14 +309,7 @@ int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string
       const int64_t chunk = std::max<int64_t>(1, (8 << 20) / ckpt::dtype_size(e.dtype));
       for (int64_t at = 0; at < r->count; at += chunk) {
         const int64_t n = std::min(chunk, r->count - at);
-        const at::Tensor src = read_elements(file, e, r->begin + at, n);
-        if (!r->step) {
-          r->values.narrow(0, at, n).copy_(src);
-          continue;
-        }
-        const at::Tensor f32 = src.to(at::kFloat).contiguous();
-        r->step->write_state("master", r->index + at, n, f32.data_ptr<float>());
-        r->values.narrow(0, at, n).copy_(f32);
+        put_elements(*r, r->step ? "master" : "param", at, read_elements(file, e, r->begin + at, n));
       }
     }
     walk.close();

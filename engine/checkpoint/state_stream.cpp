@@ -82,4 +82,15 @@ json file_pieces(const FilePlan& plan, const SafetensorsWriter& w) {
   return pieces;
 }
 
+void put_elements(const zero::StateRange& r, const std::string& kind, int64_t first, const at::Tensor& src) {
+  const int64_t n = src.numel();
+  if (kind == "param") {
+    r.values.narrow(0, first, n).copy_(src);
+    return;
+  }
+  const at::Tensor f32 = src.to(at::kFloat).contiguous();
+  r.step->write_state(kind, r.index + first, n, f32.data_ptr<float>());
+  if (kind == "master") r.values.narrow(0, first, n).copy_(f32);
+}
+
 }  // namespace zeal::ckpt

@@ -68,6 +68,11 @@ class GroupWalk {
   int open_ = -1;
 };
 
+// Elements [first, first + src.numel()) of range r's `kind` take src's values: a frozen parameter's
+// ("param") its values; a trainable one's master or optimizer state where the step keeps it, the
+// master's compute copy too (as a step writes it).
+void put_elements(const zero::StateRange& r, const std::string& kind, int64_t first, const at::Tensor& src);
+
 // One kind of state ("param", "master", "exp_avg", ...) of one range, as a load applies it.
 struct LoadItem {
   const zero::StateRange* range;
@@ -105,14 +110,7 @@ class StreamApplier {
     const zero::StateRange& r = *it.range;
     const int64_t first = read_to_[cur_].second + done_ / it.es, count = fill_ / it.es;
     ZEAL_CHECK(fill_ % it.es == 0) << "a partial element of " << r.name;
-    const at::Tensor src = at::from_blob(buf_.data(), {count}, at::TensorOptions().dtype(at_dtype(it.dtype)));
-    if (it.kind == "param") {
-      r.values.narrow(0, first, count).copy_(src);
-    } else {
-      const at::Tensor f32 = src.to(at::kFloat).contiguous();
-      r.step->write_state(it.kind, r.index + first, count, f32.data_ptr<float>());
-      if (it.kind == "master") r.values.narrow(0, first, count).copy_(f32);  // the compute copy, as a step writes it
-    }
+    put_elements(r, it.kind, first, at::from_blob(buf_.data(), {count}, at::TensorOptions().dtype(at_dtype(it.dtype))));
     done_ += fill_;
     fill_ = 0;
   }
