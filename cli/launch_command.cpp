@@ -22,6 +22,7 @@ struct LaunchState {
   std::string master_addr;
   bool quiet_ranks = false, no_bind = false, verbose = false;
   double grace = 5.0;
+  int max_restarts = 0;
 };
 
 }  // namespace
@@ -72,6 +73,12 @@ Runner add_launch_command(CLI::App& app) {
   cmd->add_flag("--no_bind", st->no_bind, "Do not bind each local rank to its own cores");
   cmd->add_flag("--verbose", st->verbose, "Print the ranks, their environment and their CPU binding before starting");
   cmd->add_option("--stop_grace", st->grace, "Seconds between SIGTERM and SIGKILL when stopping ranks")->capture_default_str();
+  cmd->add_option("--max_restarts,--max-restarts", st->max_restarts,
+                  "Restart every rank this many times at most after one fails (ZEAL_RESTART_COUNT and "
+                  "TORCHELASTIC_RESTART_COUNT tell the program which attempt it is; resume with --resume auto); a "
+                  "failure that repeats the one before ends the launch at once")
+      ->capture_default_str()
+      ->check(flags::integer_in(0, 1000));
   cmd->prefix_command();  // PROGRAM and everything after it belong to the program
   cmd->footer("PROGRAM [ARGS...]: any executable; zeal programs read the config from ZEAL_CONFIG_FILE.");
 
@@ -104,6 +111,7 @@ Runner add_launch_command(CLI::App& app) {
     o.bind = !st->no_bind;
     o.verbose = st->verbose;
     o.grace_seconds = st->grace;
+    o.max_restarts = st->max_restarts;
     o.command = cmd->remaining();
     if (o.command.empty()) throw Error("zeal launch: no program given (usage: zeal launch [options] PROGRAM [ARGS...])");
     return launch(o);

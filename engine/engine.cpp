@@ -24,8 +24,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "engine/checkpoint/state_stream.h"
 #include "engine/engine_state.h"
 #include "engine/error.h"
+#include "engine/prepare_check.h"
 #include "engine/optim/loss_scale.h"
 #include "engine/optim/optimizer.h"
 #include "engine/runtime/device_choice.h"
@@ -341,6 +343,43 @@ void Engine::say_gradient_dtypes(int world) const {
   std::cerr << line << "\n";
 }
 
+// memory_check: every rank's predicted peak against what it may use, before anything is allocated.
+// Collective (the verdicts are shared, so that with "error" every rank refuses together).
+void Engine::check_memory_at_prepare() {
+  if (config_.memory_check == "off") return;
+  const detail::PrepareMemory pm =
+      detail::predict_prepare_memory(*state_->module, state_->init_shards.get(), config_, runtime_->world_size(),
+                                     runtime_->local_world_size(), device_.is_cuda());
+  std::string mine;
+  if (!pm.fits()) {
+    mine = fmt::format(
+        "rank {} is predicted to hold {} of host memory at its peak before any activations ({}), but may use {}, "
+        "{}.{}",
+        runtime_->rank(), format_bytes(static_cast<double>(pm.predicted)), pm.parts,
+        format_bytes(static_cast<double>(pm.budget.bytes)), pm.budget.source,
+        pm.remedies.empty() ? "" : " What would lower the peak: " + pm.remedies + ".");
+  }
+  const std::vector<std::string> all = ckpt::all_strings(*this, mine);
+  std::string first;
+  std::vector<int> over;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].empty()) continue;
+    over.push_back(static_cast<int>(r));
+    if (first.empty()) first = all[r];
+  }
+  if (over.empty()) return;
+  const std::string ranks = over.size() == all.size() ? "every rank" : fmt::format("rank(s) {}", fmt::join(over, ", "));
+  if (config_.memory_check == "error") {
+    throw Error(fmt::format("memory_check: error: {} will not fit: {} (memory_check: warn trains anyway)", ranks, first));
+  }
+  if (is_main_process()) {
+    std::cerr << fmt::format("zeal: warning: {} may run out of memory: {} A smaller micro-batch and activation "
+                             "checkpointing lower the activations on top. (memory_check: error refuses to train, "
+                             "off silences this.)\n",
+                             ranks, first);
+  }
+}
+
 void Engine::build_zero() {
   auto& module = *state_->module;
   // Resolve what the program now knows.
@@ -365,6 +404,7 @@ void Engine::build_zero() {
     all.push_back(item.value());
     names.push_back(item.key());
   }
+  check_memory_at_prepare();
   std::vector<int> group_of(all.size(), -1);
   std::vector<zero::ZeroOptimizer::Group> groups;
   if (state_->torch_optimizer) {

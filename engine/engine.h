@@ -462,6 +462,7 @@ class Engine {
   int64_t load_weights_sharded(torch::nn::Module& model, const std::string& path,
                                const std::function<std::string(const std::string&)>& map);
   void build_zero();
+  void check_memory_at_prepare();
   void say_gradient_dtypes(int world) const;
   void report_progress(const std::vector<double>& lrs);
   // broadcast_buffers: the model's buffers take rank 0's values (collective).

@@ -197,6 +197,10 @@ struct Config {
   // After every optimizer step the model's buffers (BatchNorm statistics, EMAs, counters) take rank
   // 0's values on every rank, as DDP's broadcast_buffers keeps them in step.
   bool broadcast_buffers = true;
+  // At prepare each rank predicts its peak resident set (model states, offload buffers, gathered
+  // units, the runtime) and compares it with the memory it may use: "warn" says so when it will not
+  // fit, "error" refuses to train, "off" does not check.
+  std::string memory_check = "warn";
 
   // Accelerate/FSDP settings kept as given, with what zeal made of each.
   std::map<std::string, std::string> recorded;

@@ -725,6 +725,7 @@ const std::vector<OverrideFlag>& override_flags() {
         {"comm_timeout", "comm_timeout", "", "collective timeout in seconds"},
         {"activation_checkpointing", "activation_checkpointing.enabled", "",
          "checkpoint the activations of Sharded units (true/false)"},
+        {"memory_check", "memory_check", "", "warn, error or off: the predicted peak against the memory at prepare"},
     };
     for (auto& f : v) f.env = "ZEAL_" + upper(f.flag);
     return v;

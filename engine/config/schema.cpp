@@ -272,6 +272,9 @@ std::vector<Field> make_fields() {
                          "Rank 0 prints forward/backward/step milliseconds with each steps_per_print line"));
   f.push_back(bool_field("broadcast_buffers", ZEAL_GET(broadcast_buffers),
                          "After every optimizer step the model's buffers take rank 0's values (DDP's broadcast_buffers)"));
+  f.push_back(enum_field("memory_check", ZEAL_GET(memory_check), {"warn", "error", "off"},
+                         "At prepare: the rank's predicted peak against the memory it may use; warn or refuse when it "
+                         "will not fit"));
   // ZeRO.
   f.push_back(int_field("zero_optimization.stage", ZEAL_GET(zero.stage), 0, 3,
                         "0: replicate (DDP); 1: shard optimizer states; 2: + gradients; 3: + parameters"));

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <fstream>
 #include <deque>
+#include <regex>
 #include <utility>
 #include <filesystem>
 
@@ -26,6 +27,8 @@
 
 #include "engine/error.h"
 #include "engine/launch/binding.h"
+#include "engine/memory.h"
+#include "engine/memory_budget.h"
 #include "engine/memory_tracker.h"
 
 namespace zeal {
@@ -67,6 +70,9 @@ struct Rank {
   // The most VmHWM read from /proc while it ran: a program may reset its own high-water mark
   // (/proc/self/clear_refs, as zeal's memory tracker does per phase), which ru_maxrss then misses.
   int64_t polled_peak = 0;
+  int64_t last_rss = 0;  // VmRSS at the last sample while it ran
+  std::string oom;       // how the kernel's out-of-memory killer ended it, when it did
+  std::string last_error_line;  // its last line on stderr
   Stream out, err;
   std::deque<std::string> tail;
 };
@@ -106,9 +112,78 @@ bool program_exists(const std::string& program) {
   return false;
 }
 
+// Whether the kernel's out-of-memory killer ended a process: its log (/dev/kmsg, readable by
+// root) names the pid; without the log, the memory cgroup's OOM-kill count rising says so.
+class OomWatch {
+ public:
+  OomWatch() : kills_(cgroup_oom_kills()) {
+    kmsg_ = open("/dev/kmsg", O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (kmsg_ >= 0) lseek(kmsg_, 0, SEEK_END);  // only what happens from now on
+  }
+  ~OomWatch() {
+    if (kmsg_ >= 0) close(kmsg_);
+  }
+  OomWatch(const OomWatch&) = delete;
+  OomWatch& operator=(const OomWatch&) = delete;
+
+  // For a process that died of SIGKILL: the words for it when the OOM killer sent the signal, else "".
+  std::string explain(pid_t pid, int64_t last_rss, int64_t peak) {
+    bool named = false;
+    // The kernel's record may come a moment after the exit.
+    for (int tries = 0; kmsg_ >= 0 && tries < 10 && !(named = logged(pid)); ++tries) usleep(20'000);
+    const int64_t kills = cgroup_oom_kills();
+    const bool counted = kills_ >= 0 && kills > kills_;
+    if (!named && !counted) return {};
+    return fmt::format("was killed by the kernel's out-of-memory killer (SIGKILL; {}); it held {} at the last sample, "
+                       "{} at most",
+                       named ? "the kernel log names its pid" : "the memory cgroup counted an OOM kill",
+                       format_bytes(static_cast<double>(last_rss)), format_bytes(static_cast<double>(peak)));
+  }
+
+ private:
+  bool logged(pid_t pid) {
+    char rec[8192];
+    for (;;) {
+      const ssize_t n = read(kmsg_, rec, sizeof rec - 1);
+      if (n < 0 && errno == EPIPE) continue;  // records overwritten while unread
+      if (n <= 0) break;
+      rec[n] = 0;
+      const std::string r(rec);
+      if (r.find("Killed process") != std::string::npos || r.find("oom-kill") != std::string::npos) oom_lines_ += r;
+    }
+    return oom_lines_.find(fmt::format("Killed process {} ", pid)) != std::string::npos ||
+           oom_lines_.find(fmt::format(",pid={},", pid)) != std::string::npos;
+  }
+
+  int kmsg_ = -1;
+  int64_t kills_ = -1;
+  std::string oom_lines_;
+};
+
 class Group {
  public:
-  explicit Group(const LaunchOptions& o) : o_(o) {}
+  Group(const LaunchOptions& o, int restart) : o_(o), restart_(restart) {}
+
+  // How the attempt ended, for the restart decision.
+  bool interrupted() const { return interrupted_by_ != 0; }
+  bool rank_failed() const { return first_failure_ >= 0; }
+  // A program's own failure (it exited non-zero) as its status and last line on stderr: equal for
+  // two attempts that failed the same way. Empty for a rank ended by a signal (killed, crashed):
+  // such a failure may be the machine's, not the program's, and is retried.
+  std::string failure_signature() const {
+    if (first_failure_ < 0) return {};
+    const Rank& r = ranks_[first_failure_];
+    if (!WIFEXITED(r.status)) return {};
+    // Any rank may be the first to fail a bad config: rank numbers in the line do not count.
+    static const std::regex rank_number(R"(\brank \d+)");
+    return fmt::format("{}|{}", WEXITSTATUS(r.status), std::regex_replace(r.last_error_line, rank_number, "rank #"));
+  }
+  std::string failure_summary() const {
+    if (first_failure_ < 0) return {};
+    const Rank& r = ranks_[first_failure_];
+    return fmt::format("rank {} {}", r.global, r.oom.empty() ? describe_status(r.status) : r.oom);
+  }
+  double seconds() const { return std::chrono::duration<double>(Clock::now() - started_).count(); }
 
   int run() {
     // Signals are caught before the first rank starts: a SIGTERM while ranks are still being
@@ -145,6 +220,9 @@ class Group {
       env["MASTER_ADDR"] = o_.master_addr;
       env["MASTER_PORT"] = std::to_string(o_.master_port);
       env["ZEAL_LAUNCH"] = "1";
+      env["ZEAL_RESTART_COUNT"] = std::to_string(restart_);
+      env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart_);
+      env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o_.max_restarts);
       // The ranks' output reaches a terminal through this process: a progress bar may redraw.
       if (terminal_) env["ZEAL_TERMINAL"] = "1";
       env["PYTHONUNBUFFERED"] = "1";
@@ -241,6 +319,7 @@ class Group {
     const bool redrawn = line.find('\r') != std::string::npos;
     if (redrawn) line = after_redraw(line);
     r.tail.push_back(line);
+    if (&s == &r.err) r.last_error_line = line;
     if (static_cast<int>(r.tail.size()) > o_.tail_lines) r.tail.pop_front();
     if (o_.quiet_ranks && r.global != 0) return;
     // A line under a progress bar: the bar is cleared, the line written, the bar drawn again
@@ -316,11 +395,13 @@ class Group {
           early_exit_rank_ = r.global;
           early_exit_at_ = Clock::now();
         }
+        if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) r.oom = oom_.explain(r.pid, r.last_rss, peak_of(r));
         if (failed(status) && !stopping_ && first_failure_ < 0) {
           first_failure_ = r.local;
           const int others = static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), [](const Rank& x) { return x.running; }));
           std::fprintf(stderr, "zeal launch: rank %d (local rank %d, pid %d) %s; stopping %d other rank%s\n",
-                       r.global, r.local, static_cast<int>(r.pid), describe_status(status).c_str(), others,
+                       r.global, r.local, static_cast<int>(r.pid),
+                       r.oom.empty() ? describe_status(status).c_str() : r.oom.c_str(), others,
                        others == 1 ? "" : "s");
           begin_stop(SIGTERM);
         }
@@ -362,15 +443,22 @@ class Group {
     }
   }
 
-  void sample_peaks() {
+  static int64_t peak_of(const Rank& r) { return std::max(r.max_rss, r.polled_peak); }
+
+  // Each running rank's resident set and its high-water mark, from /proc (a rank the OOM killer
+  // ends is reported with what it held last).
+  void sample_memory() {
     for (auto& r : ranks_) {
       if (!r.running) continue;
       std::ifstream in("/proc/" + std::to_string(r.pid) + "/status");
       std::string line;
       while (std::getline(in, line)) {
-        if (line.rfind("VmHWM:", 0) != 0) continue;
-        r.polled_peak = std::max<int64_t>(r.polled_peak, std::atoll(line.c_str() + 6) * 1024);
-        break;
+        if (line.rfind("VmHWM:", 0) == 0) {
+          r.polled_peak = std::max<int64_t>(r.polled_peak, std::atoll(line.c_str() + 6) * 1024);
+        } else if (line.rfind("VmRSS:", 0) == 0) {
+          r.last_rss = std::atoll(line.c_str() + 6) * 1024;
+          break;
+        }
       }
     }
   }
@@ -378,7 +466,10 @@ class Group {
   void loop() {
     for (int sig : early_signals_) on_stop_signal(sig);
     for (;;) {
-      if (o_.verbose) sample_peaks();
+      if (o_.verbose || Clock::now() >= next_sample_) {
+        sample_memory();
+        next_sample_ = Clock::now() + std::chrono::milliseconds(500);
+      }
       reap();
       report_early_exit();
       const bool any_running = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; });
@@ -399,7 +490,7 @@ class Group {
         for (size_t i = 1; i < fds.size(); ++i) drain(*owners[i].first, *owners[i].second);
         return;
       }
-      int timeout_ms = early_exit_ && !early_exit_reported_ ? 250 : o_.verbose ? 100 : 1000;
+      int timeout_ms = early_exit_ && !early_exit_reported_ ? 250 : o_.verbose ? 100 : 500;
       if (stopping_) {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(kill_deadline_ - Clock::now()).count();
         if (left <= 0) {
@@ -443,7 +534,8 @@ class Group {
                      r.global);
         for (const auto& line : r.tail) std::fprintf(stderr, "  | %s\n", line.c_str());
       }
-      std::fprintf(stderr, "zeal launch: failed: rank %d %s\n", r.global, describe_status(r.status).c_str());
+      std::fprintf(stderr, "zeal launch: failed: rank %d %s\n", r.global,
+                   r.oom.empty() ? describe_status(r.status).c_str() : r.oom.c_str());
       return exit_code_of(r.status);
     }
     if (interrupted_by_ != 0) return 128 + interrupted_by_;
@@ -455,7 +547,7 @@ class Group {
       std::string per;
       int64_t sum = 0;
       for (const auto& r : ranks_) {
-        const int64_t peak = std::max(r.max_rss, r.polled_peak);
+        const int64_t peak = peak_of(r);
         per += fmt::format("{}rank {} {:.2f} GiB", per.empty() ? "" : ", ", r.global, static_cast<double>(peak) / (1 << 30));
         sum += peak;
       }
@@ -466,6 +558,9 @@ class Group {
   }
 
   const LaunchOptions& o_;
+  const int restart_;
+  OomWatch oom_;
+  Clock::time_point next_sample_{};
   std::vector<Rank> ranks_;
   const bool terminal_ = isatty(1) != 0;
   const Clock::time_point started_ = Clock::now();
@@ -548,8 +643,39 @@ int launch(const LaunchOptions& o) {
   if (g_signal_pipe[0] < 0) {
     if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) throw Error(std::string("pipe: ") + std::strerror(errno));
   }
-  Group group(o);
-  return group.run();
+  if (o.max_restarts > 0 && o.nnodes > 1) {
+    throw Error(
+        "--max_restarts restarts the ranks of one machine; with several machines the launchers would restart "
+        "independently and could meet in different rendezvous rounds. Restart the launchers together instead (a job "
+        "scheduler's requeue) with --resume auto in the program");
+  }
+  if (o.max_restarts < 0) throw Error(fmt::format("--max_restarts must be at least 0, got {}", o.max_restarts));
+  std::string previous;
+  for (int attempt = 0;; ++attempt) {
+    Group group(o, attempt);
+    const int code = group.run();
+    if (code == 0 || group.interrupted() || !group.rank_failed()) return code;
+    if (attempt >= o.max_restarts) {
+      if (o.max_restarts > 0) {
+        std::fprintf(stderr, "zeal launch: giving up: %d restart%s used (--max_restarts %d)\n", attempt,
+                     attempt == 1 ? "" : "s", o.max_restarts);
+      }
+      return code;
+    }
+    const std::string signature = group.failure_signature();
+    if (!signature.empty() && signature == previous) {
+      std::fprintf(stderr,
+                   "zeal launch: giving up after %d restart%s: the attempt failed as the one before it did (%s, with the "
+                   "same last error line), so restarting will not change that\n",
+                   attempt, attempt == 1 ? "" : "s", group.failure_summary().c_str());
+      return code;
+    }
+    previous = signature;
+    std::fprintf(stderr, "zeal launch: restarting every rank (restart %d of %d) after %s, %.0f s into the attempt\n",
+                 attempt + 1, o.max_restarts, group.failure_summary().c_str(), group.seconds());
+    // Rank 0's store port is free again once its sockets are closed.
+    for (int i = 0; i < 100 && o.node_rank == 0 && !port_is_free(o.master_port); ++i) usleep(100'000);
+  }
 }
 
 }  // namespace zeal

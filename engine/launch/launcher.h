@@ -22,11 +22,16 @@ struct LaunchOptions {
   bool verbose = false;                     // print the plan: ranks, environment, binding
   double grace_seconds = 5.0;               // SIGTERM → SIGKILL delay when stopping ranks
   int tail_lines = 20;                      // lines of a failed rank's output repeated at the end
+  // Restarts of the whole group after a rank fails (torchrun's --max_restarts): each attempt's
+  // ranks see TORCHELASTIC_RESTART_COUNT / ZEAL_RESTART_COUNT. A program's failure that repeats the
+  // previous one exactly (the same exit status and last line on stderr) ends the launch at once: a
+  // bad config or a missing file does not change by restarting. Ranks ended by a signal are retried.
+  int max_restarts = 0;
 };
 
 // Runs the group to completion and returns the launcher's exit status: 0 when every rank exits
-// 0, else the first failing rank's exit status (128 + signal for a signal), 128 + signal when the
-// launcher itself was interrupted. Throws zeal::Error for problems found before any rank starts
+// 0, else the first failing rank's exit status (128 + signal for a signal) of the last attempt,
+// 128 + signal when the launcher itself was interrupted. Throws zeal::Error for problems found before any rank starts
 // (port in use, program not found, bad sizes).
 int launch(const LaunchOptions& options);
 

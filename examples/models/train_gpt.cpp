@@ -17,7 +17,7 @@
 // --save_dir D saves a checkpoint as D/step_<k> every --save_every steps and after the last one;
 // --resume D continues from D (or the checkpoint D/latest names) at the step it was saved after,
 // whatever the world size and config of the run that saved it (the samples of a step depend only
-// on --seed and the step).
+// on --seed and the step); --resume auto continues from --save_dir when it holds a checkpoint.
 #include <torch/optim/adamw.h>
 
 #include <CLI/CLI.hpp>
@@ -140,7 +140,9 @@ int main(int argc, char** argv) {
   app.add_option("--save_dir", save_dir, "save checkpoints here (D/step_<k>, D/latest)");
   app.add_option("--save_every", save_every, "steps between checkpoints (0: after the last step only)")
       ->check(zeal_examples::non_negative());
-  app.add_option("--resume", resume, "continue from this checkpoint (or the one its latest names)");
+  app.add_option("--resume", resume,
+                 "continue from this checkpoint (or the one its latest names); auto: from --save_dir's latest when "
+                 "there is one, else from the start (for zeal launch --max_restarts)");
   if (auto code = zeal_examples::parse_flags(app, argc, argv, "train_gpt")) return *code;
   // The flags that depend on each other: wrong ones end here too, with exit code 2.
   zeal::models::GptConfig cfg;
@@ -157,6 +159,14 @@ int main(int argc, char** argv) {
     std::cerr << fmt::format("train_gpt: --seq_len {} must be in 1..{} (the {} preset's context)\n", seq_len, cfg.context,
                              cfg.name);
     return 2;
+  }
+  if (resume == "auto") {
+    if (save_dir.empty()) {
+      std::cerr << "train_gpt: --resume auto continues from --save_dir's latest checkpoint: give --save_dir too\n";
+      return 2;
+    }
+    std::error_code ec;
+    resume = std::filesystem::exists(std::filesystem::path(save_dir) / "latest", ec) ? save_dir : "";
   }
   std::optional<zeal::Config> config = zeal_examples::load_config(argc, argv, "train_gpt");
   if (!config) return 2;

@@ -1,0 +1,150 @@
+#include "engine/prepare_check.h"
+
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "engine/config/config.h"
+#include "engine/estimate.h"
+#include "engine/memory.h"
+#include "engine/memory_tracker.h"
+#include "engine/zero/init.h"
+#include "engine/zero/sharded.h"
+
+namespace zeal::detail {
+namespace {
+
+estimate::Offload offload_of(OffloadDevice d) {
+  return d == OffloadDevice::kCpu ? estimate::Offload::kCpu
+         : d == OffloadDevice::kNvme ? estimate::Offload::kNvme
+                                     : estimate::Offload::kNone;
+}
+
+std::string gib(int64_t b) { return format_bytes(static_cast<double>(b)); }
+
+}  // namespace
+
+PrepareMemory predict_prepare_memory(torch::nn::Module& module, zero::InitShards* shards, const Config& c, int world,
+                                     int local_world, bool on_gpu) {
+  // The model as the estimator sees it: every parameter once (tied ones under their first name),
+  // at its full size even when engine.init keeps only this rank's slice of it.
+  std::unordered_map<const void*, int64_t> full;  // parameter → elements
+  std::unordered_map<const void*, int> seen;
+  estimate::ModelShape m;
+  m.name = "the prepared model";
+  int64_t trainable = 0, present = 0;
+  for (auto& item : module.named_parameters(true)) {
+    const at::Tensor& p = item.value();
+    const void* key = p.unsafeGetTensorImpl();
+    if (++seen[key] > 1) {  // tied: an embedding that is also the head
+      m.tied_head = std::max(m.tied_head, full[key]);
+      m.largest_param_grads = 2;
+      continue;
+    }
+    const zero::InitShards::Slice* s = shards ? shards->find(p) : nullptr;
+    const int64_t n = s ? s->numel : p.numel();
+    full[key] = n;
+    m.params += n;
+    m.largest_param = std::max(m.largest_param, n);
+    if (p.requires_grad()) trainable += n;
+    const at::Tensor& held = s ? s->data : p;
+    if (held.defined() && held.device().is_cpu()) present += held.numel() * static_cast<int64_t>(held.element_size());
+  }
+  for (const auto& b : module.buffers(true)) {
+    if (b.defined() && b.device().is_cpu()) present += b.numel() * static_cast<int64_t>(b.element_size());
+  }
+  // DeepSpeed's "largest layer": a module's own parameters.
+  for (const auto& sub : module.modules(/*include_self=*/true)) {
+    int64_t own = 0;
+    for (const auto& p : sub->parameters(/*recurse=*/false)) {
+      auto it = full.find(p.unsafeGetTensorImpl());
+      if (it != full.end()) own += it->second;
+    }
+    m.largest_layer = std::max(m.largest_layer, own);
+  }
+  // Stage 3's units: the root (whatever no zeal::Sharded holds), then each Sharded block.
+  std::unordered_set<const void*> in_blocks;
+  std::vector<int64_t> blocks;
+  for (const auto& sub : module.modules(/*include_self=*/false)) {
+    if (!dynamic_cast<ShardedBase*>(sub.get())) continue;
+    int64_t n = 0;
+    for (const auto& p : sub->parameters(true)) {
+      const void* key = p.unsafeGetTensorImpl();
+      if (in_blocks.insert(key).second) n += full[key];
+    }
+    if (n > 0) blocks.push_back(n);
+  }
+  int64_t root = 0;
+  for (const auto& [key, n] : full) {
+    if (!in_blocks.count(key)) root += n;
+  }
+  m.units.push_back(root);
+  m.units.insert(m.units.end(), blocks.begin(), blocks.end());
+
+  estimate::RunShape r;
+  r.stage = static_cast<int>(c.zero.stage);
+  r.offload_optimizer = offload_of(c.zero.offload_optimizer.device);
+  r.offload_param = r.stage == 3 ? offload_of(c.zero.offload_param.device) : estimate::Offload::kNone;
+  r.world = std::max(1, world);
+  r.nodes = static_cast<int>(std::max<int64_t>(1, c.launch.num_machines));
+  r.precision = c.mixed_precision == "no" || c.mixed_precision.empty() ? "fp32" : c.mixed_precision;
+  r.on_gpu = on_gpu;
+  r.sub_group_size = c.zero.sub_group_size;
+  r.max_live_parameters = c.zero.stage3_max_live_parameters;
+  r.max_reuse_distance = c.zero.stage3_max_reuse_distance;
+  r.max_in_cpu = c.zero.offload_param.max_in_cpu;
+  r.buffer_count = static_cast<int>(c.zero.offload_optimizer.buffer_count);
+  r.param_buffer_count = static_cast<int>(c.zero.offload_param.buffer_count);
+  r.trainable_params = trainable;
+  // The runtime: what the process holds beyond the model's own tensors.
+  const int64_t resident = resident_bytes();
+  r.runtime_bytes = std::max<int64_t>(0, resident - present);
+
+  PrepareMemory out;
+  const estimate::Prediction p = estimate::predict(m, r);
+  out.predicted = p.host_peak;
+  std::vector<estimate::Part> parts;
+  for (const auto& part : p.parts) {
+    if (part.where == "host") parts.push_back(part);
+  }
+  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.bytes > b.bytes; });
+  for (size_t i = 0; i < parts.size() && i < 4; ++i) {
+    out.parts += fmt::format("{}{} {}", i ? ", " : "", parts[i].name, gib(parts[i].bytes));
+  }
+  out.budget = rank_memory_budget(local_world, resident);
+  if (out.fits()) return out;
+
+  // What would lower it, each with the peak it predicts (cumulative, in the order a user would try).
+  auto try_change = [&](const std::string& what, auto&& change) {
+    estimate::RunShape alt = r;
+    change(alt);
+    const int64_t peak = estimate::predict(m, alt).host_peak;
+    if (peak < out.predicted) out.remedies += fmt::format("{}{} ({})", out.remedies.empty() ? "" : "; ", what, gib(peak));
+  };
+  if (r.stage < 3) try_change("zero_optimization.stage 3", [](estimate::RunShape& a) { a.stage = 3; });
+  if (r.offload_optimizer != estimate::Offload::kNvme) {
+    try_change("stage 3 with offload_optimizer.device nvme", [](estimate::RunShape& a) {
+      a.stage = 3;
+      a.offload_optimizer = estimate::Offload::kNvme;
+    });
+  }
+  if (r.offload_param != estimate::Offload::kNvme) {
+    try_change("stage 3 with offload_optimizer and offload_param on nvme", [](estimate::RunShape& a) {
+      a.stage = 3;
+      a.offload_optimizer = estimate::Offload::kNvme;
+      a.offload_param = estimate::Offload::kNvme;
+    });
+  }
+  if (local_world > 1) {
+    out.remedies += fmt::format("{}fewer ranks on this machine ({} now share its memory)",
+                                out.remedies.empty() ? "" : "; ", local_world);
+  }
+  return out;
+}
+
+}  // namespace zeal::detail
