@@ -38,6 +38,7 @@
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
 #include "engine/zero/sharded.h"
+#include "engine/output.h"
 
 namespace {
 
@@ -291,7 +292,7 @@ int main(int argc, char** argv) {
   std::filesystem::remove_all(model_dir);
   std::filesystem::remove(dir + "/latest");
   if (!json_path.empty()) {
-    std::ofstream(json_path) << out.dump(2) << "\n";
+    zeal::write_file_whole(json_path, out.dump(2).append("\n"), "--json");
     std::printf("wrote %s\n", json_path.c_str());
   }
   return 0;

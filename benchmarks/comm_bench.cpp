@@ -35,6 +35,7 @@
 
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
+#include "engine/output.h"
 
 namespace {
 
@@ -211,7 +212,7 @@ int main(int argc, char** argv) {
     nlohmann::json out = {{"world", world}, {"dtype", "float32"}, {"rounds", rounds}, {"memcpy_gbs", memcpy_gbs()}};
     out["rows"] = nlohmann::json::parse(std::ifstream(rows_path));
     out["environment"] = env.json();
-    std::ofstream(json_path) << out.dump(2) << "\n";
+    zeal::write_file_whole(json_path, out.dump(2).append("\n"), "--json");
     std::printf("wrote %s\n", json_path.c_str());
   }
   std::remove(rows_path.c_str());

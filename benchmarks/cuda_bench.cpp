@@ -32,6 +32,7 @@
 
 #include "benchmarks/rounds.h"
 #include "kernels/cuda/adam.h"
+#include "engine/output.h"
 
 namespace {
 
@@ -234,7 +235,7 @@ int main(int argc, char** argv) {
   std::printf("zeal's fraction of the copy floor: fp32 %.3f, bf16 grad + copy %.3f (goal >= 0.9)\n", f32.median(),
               f16.median());
   if (!json_path.empty()) {
-    std::ofstream(json_path) << out.dump(2) << "\n";
+    zeal::write_file_whole(json_path, out.dump(2).append("\n"), "--json");
     std::printf("wrote %s\n", json_path.c_str());
   }
   return 0;

@@ -54,6 +54,7 @@
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
 #include "examples/models/bert.h"
+#include "engine/output.h"
 
 using nlohmann::json;
 namespace fs = std::filesystem;
@@ -388,7 +389,7 @@ int main(int argc, char** argv) {
   env.print();
   result["environment"] = env.json();
   if (!o.json_path.empty()) {
-    std::ofstream(o.json_path) << result.dump(2) << "\n";
+    zeal::write_file_whole(o.json_path, result.dump(2).append("\n"), "--json");
     std::printf("wrote %s\n", o.json_path.c_str());
   }
   return 0;

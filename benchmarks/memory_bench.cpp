@@ -43,6 +43,7 @@
 #include "engine/memory.h"
 #include "engine/memory_tracker.h"
 #include "examples/models/gpt_config.h"
+#include "engine/output.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -420,13 +421,15 @@ int main(int argc, char** argv) {
   md += fmt::format("\nEstimator |error| over the {} rows that ran: median {:.1f} %, largest {:.1f} %.\n", errors.size(),
                     100 * med, 100 * worst);
   std::printf("\n%s", md.c_str());
-  if (!md_path.empty()) std::ofstream(md_path) << md;
+  if (!md_path.empty()) zeal::write_file_whole(md_path, md, "--md");
   if (!json_path.empty()) {
-    std::ofstream(json_path) << json{{"rows_file", rows_path}, {"steps", steps}, {"precision", "fp32"},
-                                     {"free_disk_gb", free_gb}, {"median_abs_error", med},
-                                     {"largest_abs_error", worst}, {"rows", jrows}}
-                                    .dump(2)
-                             << "\n";
+    zeal::write_file_whole(json_path,
+                           json{{"rows_file", rows_path}, {"steps", steps}, {"precision", "fp32"},
+                                {"free_disk_gb", free_gb}, {"median_abs_error", med}, {"largest_abs_error", worst},
+                                {"rows", jrows}}
+                                   .dump(2) +
+                               "\n",
+                           "--json");
   }
   if (!png_path.empty()) {
     const std::string data = png_path + ".dat";

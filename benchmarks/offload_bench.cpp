@@ -43,6 +43,7 @@
 #include "offload/io.h"
 #include "offload/swap_dir.h"
 #include "offload/tune.h"
+#include "engine/output.h"
 
 namespace {
 
@@ -309,7 +310,7 @@ int main(int argc, char** argv) {
   env.print();
   std::filesystem::remove(zfile);
   if (!json_path.empty()) {
-    std::ofstream(json_path) << out.dump(2) << "\n";
+    zeal::write_file_whole(json_path, out.dump(2).append("\n"), "--json");
     std::printf("wrote %s\n", json_path.c_str());
   }
   return 0;

@@ -35,6 +35,7 @@
 #include "benchmarks/peer_process.h"
 #include "benchmarks/rounds.h"
 #include "kernels/cpu/adam.h"
+#include "engine/output.h"
 
 namespace {
 
@@ -327,7 +328,7 @@ int main(int argc, char** argv) {
     out["by_threads"] = by_threads;
     out["environment"] = env.json();
     out["notes"] = notes;
-    std::ofstream(json_path) << out.dump(2) << "\n";
+    zeal::write_file_whole(json_path, out.dump(2).append("\n"), "--json");
     std::printf("wrote %s\n", json_path.c_str());
   }
   return 0;

@@ -57,6 +57,7 @@
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
 #include "examples/models/gpt.h"
+#include "engine/output.h"
 
 using nlohmann::json;
 
@@ -430,7 +431,7 @@ int main(int argc, char** argv) {
   result["environment"] = env.json();
   std::remove(dir.c_str());
   if (!o.json_path.empty()) {
-    std::ofstream(o.json_path) << result.dump(2) << "\n";
+    zeal::write_file_whole(o.json_path, result.dump(2).append("\n"), "--json");
     std::printf("wrote %s\n", o.json_path.c_str());
   }
   return 0;

@@ -13,6 +13,7 @@
 #include "cli/commands.h"
 #include "cli/number_flags.h"
 #include "engine/error.h"
+#include "engine/output.h"
 #include "engine/estimate.h"
 #include "engine/memory_tracker.h"
 #include "examples/models/gpt_config.h"
@@ -79,6 +80,7 @@ Runner add_estimate_command(CLI::App& app) {
   cmd->add_flag("--untied_head", o->untied_head, "with --model: an LM head of its own (train_gpt --untied_head)");
   cmd->add_option("--json", o->json_path, "also write the estimate as JSON here");
   return [o] {
+    if (!o->json_path.empty()) check_output_file(o->json_path, "--json");  // before the work
     estimate::ModelShape m;
     if (!o->preset.empty()) {
       zeal::models::GptConfig c;
@@ -156,11 +158,7 @@ Runner add_estimate_command(CLI::App& app) {
     }
     const auto rep = estimate::report(m, r, stages, offloads);
     std::fputs(rep.text.c_str(), stdout);
-    if (!o->json_path.empty()) {
-      std::ofstream f(o->json_path);
-      f << rep.json << "\n";
-      if (!f) throw Error("--json: cannot write " + o->json_path);
-    }
+    if (!o->json_path.empty()) write_file_whole(o->json_path, rep.json + "\n", "--json");
     return 0;
   };
 }

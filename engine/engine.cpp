@@ -343,13 +343,36 @@ void Engine::say_gradient_dtypes(int world) const {
   std::cerr << line << "\n";
 }
 
-// memory_check: every rank's predicted peak against what it may use, before anything is allocated.
-// Collective (the verdicts are shared, so that with "error" every rank refuses together).
+// memory_check: every rank's predicted peak against what it may use, and with offload to nvme the
+// swap files against the free disk, before anything is allocated or written. Collective (the
+// verdicts are shared, so that every rank refuses together).
 void Engine::check_memory_at_prepare() {
-  if (config_.memory_check == "off") return;
+  const bool nvme = config_.zero.offload_optimizer.device == OffloadDevice::kNvme ||
+                    (config_.zero.stage == 3 && config_.zero.offload_param.device == OffloadDevice::kNvme);
+  if (config_.memory_check == "off" && !nvme) return;
   const detail::PrepareMemory pm =
       detail::predict_prepare_memory(*state_->module, state_->init_shards.get(), config_, runtime_->world_size(),
                                      runtime_->local_world_size(), device_.is_cuda());
+  if (nvme) {
+    // The free space for the swap files, before anything is written (every rank, in agreement).
+    const auto verdicts = ckpt::all_strings(*this, detail::check_swap_space(pm, config_, runtime_->local_world_size()));
+    std::vector<std::pair<std::string, std::vector<int>>> said;  // each message once, with its ranks
+    for (size_t r = 0; r < verdicts.size(); ++r) {
+      if (verdicts[r].empty()) continue;
+      auto it = std::find_if(said.begin(), said.end(), [&](const auto& x) { return x.first == verdicts[r]; });
+      if (it == said.end()) it = said.insert(said.end(), {verdicts[r], {}});
+      it->second.push_back(static_cast<int>(r));
+    }
+    if (!said.empty()) {
+      std::string text;
+      for (const auto& [msg, ranks] : said) {
+        text += fmt::format("{}{} {}: {}", text.empty() ? "" : "\n", ranks.size() == 1 ? "rank" : "ranks",
+                            fmt::join(ranks, ", "), msg);
+      }
+      throw Error(text);
+    }
+  }
+  if (config_.memory_check == "off") return;
   std::string mine;
   if (!pm.fits()) {
     mine = fmt::format(

@@ -2,7 +2,12 @@
 
 #include <torch/nn/module.h>
 
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+
 #include <algorithm>
+#include <filesystem>
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -18,6 +23,8 @@
 
 namespace zeal::detail {
 namespace {
+
+namespace fs = std::filesystem;
 
 estimate::Offload offload_of(OffloadDevice d) {
   return d == OffloadDevice::kCpu ? estimate::Offload::kCpu
@@ -108,6 +115,10 @@ PrepareMemory predict_prepare_memory(torch::nn::Module& module, zero::InitShards
   PrepareMemory out;
   const estimate::Prediction p = estimate::predict(m, r);
   out.predicted = p.host_peak;
+  for (const auto& part : p.parts) {
+    if (part.where != "disk") continue;
+    (part.name == "parameters on disk" ? out.disk_params : out.disk_optimizer) += part.bytes;
+  }
   std::vector<estimate::Part> parts;
   for (const auto& part : p.parts) {
     if (part.where == "host") parts.push_back(part);
@@ -143,6 +154,50 @@ PrepareMemory predict_prepare_memory(torch::nn::Module& module, zero::InitShards
   if (local_world > 1) {
     out.remedies += fmt::format("{}fewer ranks on this machine ({} now share its memory)",
                                 out.remedies.empty() ? "" : "; ", local_world);
+  }
+  return out;
+}
+
+std::string check_swap_space(const PrepareMemory& pm, const Config& c, int local_world) {
+  struct Use {
+    std::string path, what;
+    int64_t bytes;
+  };
+  std::vector<Use> uses;
+  if (c.zero.offload_optimizer.device == OffloadDevice::kNvme && pm.disk_optimizer > 0) {
+    uses.push_back({c.zero.offload_optimizer.nvme_path, "the optimizer's", pm.disk_optimizer});
+  }
+  if (c.zero.stage == 3 && c.zero.offload_param.device == OffloadDevice::kNvme && pm.disk_params > 0) {
+    uses.push_back({c.zero.offload_param.nvme_path, "the parameters'", pm.disk_params});
+  }
+  // One file system may hold both: the sums per file system count.
+  struct Fs {
+    std::string path, parts;
+    int64_t bytes = 0, free = -1;
+  };
+  std::map<uint64_t, Fs> by_fs;
+  for (const auto& u : uses) {
+    std::error_code ec;
+    fs::path at = fs::absolute(u.path, ec);
+    while (!at.empty() && !fs::exists(at, ec) && at != at.parent_path()) at = at.parent_path();
+    struct stat st {};
+    struct statvfs vs {};
+    if (::stat(at.c_str(), &st) != 0 || ::statvfs(at.c_str(), &vs) != 0) continue;  // the swap's own checks say why
+    Fs& f = by_fs[static_cast<uint64_t>(st.st_dev)];
+    if (f.path != u.path) f.path += (f.path.empty() ? "" : " and ") + u.path;
+    f.parts += fmt::format("{}{} {}", f.parts.empty() ? "" : " + ", u.what, gib(u.bytes));
+    f.bytes += u.bytes;
+    f.free = static_cast<int64_t>(vs.f_bavail) * static_cast<int64_t>(vs.f_frsize);
+  }
+  std::string out;
+  const int n = std::max(1, local_world);
+  for (const auto& [dev, f] : by_fs) {
+    const int64_t need = f.bytes * n;
+    if (need <= f.free) continue;
+    out += fmt::format("{}offload: the swap files need about {} in {} ({} per rank{}), but its file system has {} "
+                       "free; free some space there or set nvme_path to a larger disk",
+                       out.empty() ? "" : "; ", gib(need), f.path, f.parts,
+                       n == 1 ? "" : fmt::format(", {} ranks on this machine", n), gib(f.free));
   }
   return out;
 }

@@ -1,5 +1,8 @@
 #include "engine/checkpoint/consolidate.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -15,6 +18,7 @@
 #include "engine/checkpoint/manifest.h"
 #include "engine/checkpoint/safetensors.h"
 #include "engine/error.h"
+#include "engine/output.h"
 
 namespace zeal::ckpt {
 
@@ -22,6 +26,26 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
+void fsync_dir(const fs::path& d) {
+  const int fd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+}  // namespace
+
+namespace {
+
+// The files of a Hugging Face-style export: model.safetensors, model.safetensors.index.json and
+// model-0000k-of-0000n.safetensors.
+bool is_export_file(const std::string& n) {
+  if (n == "model.safetensors" || n == "model.safetensors.index.json") return true;
+  // model-00001-of-00002.safetensors
+  if (n.size() != 32 || n.rfind("model-", 0) != 0 || n.substr(11, 4) != "-of-" || n.substr(20) != ".safetensors") {
+    return false;
+  }
+  return std::all_of(n.begin() + 6, n.begin() + 11, ::isdigit) && std::all_of(n.begin() + 15, n.begin() + 20, ::isdigit);
+}
 
 uint32_t bits_of(float f) {
   uint32_t u;
@@ -96,6 +120,29 @@ int64_t parse_size(const std::string& text) {
   const double bytes = v * it->second;
   if (bytes < 1 || bytes > 1e15) throw Error(fmt::format("'{}' is outside 1 byte to 1 PB", text));
   return static_cast<int64_t>(bytes);
+}
+
+// Moves the new export's files from `staging` into `out_dir`, replacing the previous export there
+// as a set: the old index goes first (a loader then finds no half-old set), the new files come in
+// with the index last, then the old files the new set does not have are removed. Other files in
+// `out_dir` (config.json, a tokenizer) stay.
+void publish_export(const fs::path& out_dir, const fs::path& staging, const std::vector<std::string>& names) {
+  std::vector<fs::path> old;
+  for (const auto& e : fs::directory_iterator(out_dir)) {
+    const std::string n = e.path().filename().string();
+    if (is_export_file(n) && std::find(names.begin(), names.end(), n) == names.end()) old.push_back(e.path());
+  }
+  std::error_code ec;
+  fs::remove(out_dir / "model.safetensors.index.json", ec);
+  for (const auto& n : names) {
+    if (n == "model.safetensors.index.json") continue;
+    fs::rename(staging / n, out_dir / n);
+  }
+  if (std::find(names.begin(), names.end(), "model.safetensors.index.json") != names.end()) {
+    fs::rename(staging / "model.safetensors.index.json", out_dir / "model.safetensors.index.json");
+  }
+  for (const auto& p : old) fs::remove(p, ec);
+  fsync_dir(out_dir);
 }
 
 ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& out_dir, const ConsolidateOptions& o,
@@ -177,7 +224,19 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
     in_shard += b;
     total += b;
   }
+  // Written under a hidden folder inside out_dir, then moved into place as a set (publish_export).
   fs::create_directories(out_dir);
+  const fs::path staging = fs::path(out_dir) / ".zeal-export.partial";
+  fs::remove_all(staging);  // a previous export that failed
+  fs::create_directories(staging);
+  struct Cleanup {
+    fs::path dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{staging};
+  std::vector<std::string> names;
   ConsolidateResult result;
   json weight_map = json::object();
   std::vector<char> src;
@@ -192,7 +251,7 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
       entries.push_back({p.name, out_type(p), p.shape, p.numel * dtype_size(out_type(p))});
       weight_map[p.name] = name;
     }
-    SafetensorsWriter w((fs::path(out_dir) / name).string(), entries, {{"format", "pt"}}, {}, 1 << 20, 4 << 20);
+    SafetensorsWriter w((staging / name).string(), entries, {{"format", "pt"}}, {}, 1 << 20, 4 << 20);
     for (size_t i : shards[k]) {
       const Param& p = params[i];
       const int64_t es = dtype_size(p.dtype);
@@ -236,13 +295,15 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
       if (progress) progress(p.name, p.numel * dtype_size(to));
     }
     w.finish();
-    result.files.push_back((fs::path(out_dir) / name).string());
+    names.push_back(name);
   }
   if (shards.size() > 1) {
     json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    std::ofstream((fs::path(out_dir) / "model.safetensors.index.json")) << idx.dump(2) << "\n";
-    result.files.push_back((fs::path(out_dir) / "model.safetensors.index.json").string());
+    write_file_whole((staging / "model.safetensors.index.json").string(), idx.dump(2) + "\n", "export");
+    names.push_back("model.safetensors.index.json");
   }
+  publish_export(out_dir, staging, names);
+  for (const auto& n : names) result.files.push_back((fs::path(out_dir) / n).string());
   result.bytes = total;
   return result;
 }

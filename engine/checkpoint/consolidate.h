@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,13 @@ struct ConsolidateResult {
 // name the file or parameter; every byte read is checked against the manifest's CRC32C.
 ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& out_dir, const ConsolidateOptions& o,
                               const std::function<void(const std::string&, int64_t)>& progress = {});
+
+// Moves an export's files (`names`, written complete into `staging` inside `out_dir`) into
+// `out_dir`, replacing the previous export there as a set: model.safetensors,
+// model.safetensors.index.json and model-0000k-of-0000n.safetensors files not in `names` go (the old
+// index first), other files stay.
+void publish_export(const std::filesystem::path& out_dir, const std::filesystem::path& staging,
+                    const std::vector<std::string>& names);
 
 // "5GB", "500MB", "2GiB", "123" (bytes) → bytes; zeal::Error on anything else.
 int64_t parse_size(const std::string& s);

@@ -29,6 +29,7 @@
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 
+#include "engine/checkpoint/consolidate.h"
 #include "engine/checkpoint/safetensors.h"
 #include "engine/checkpoint/tensor_dtype.h"
 #include "engine/engine.h"
@@ -751,11 +752,14 @@ int64_t PeftModel::save_merged(const std::string& dir, Engine* engine) const {
   std::string error;
   std::unique_ptr<ckpt::SafetensorsWriter> w;
   const fs::path file = fs::path(dir) / "model.safetensors";
-  const fs::path tmp = file.string() + ".partial";
+  // Written complete into a hidden folder, then moved in replacing any earlier export as a set.
+  const fs::path staging = fs::path(dir) / ".zeal-export.partial", tmp = staging / "model.safetensors";
   int64_t bytes = 0;
   if (main) {
     try {
       fs::create_directories(dir);
+      fs::remove_all(staging);
+      fs::create_directories(staging);
       std::vector<ckpt::TensorEntry> entries;
       for (const auto& it : items) {
         entries.push_back({it.key, ckpt::safetensors_dtype(it.t.scalar_type()), it.t.sizes().vec(), it.t.numel() * static_cast<int64_t>(it.t.element_size()), 0});
@@ -794,10 +798,15 @@ int64_t PeftModel::save_merged(const std::string& dir, Engine* engine) const {
     try {
       bytes = w->finish().bytes;
       w.reset();
-      fs::rename(tmp, file);
+      ckpt::publish_export(dir, staging, {"model.safetensors"});
     } catch (const std::exception& e) {
       error = e.what();
     }
+  }
+  if (main) {
+    w.reset();
+    std::error_code ec;
+    fs::remove_all(staging, ec);
   }
   agree(engine, "save_merged: " + dir, error);
   return main ? bytes : static_cast<int64_t>(fs::exists(file) ? fs::file_size(file) : 0);

@@ -34,6 +34,7 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "engine/output.h"
 #include "engine/memory.h"
 #include "engine/memory_tracker.h"
 #include "engine/peft/lora.h"
@@ -157,6 +158,7 @@ int main(int argc, char** argv) {
   std::optional<zeal::Config> config = zeal_examples::load_config(argc, argv, "finetune_lora");
   if (!config) return 2;
   try {
+    zeal::check_output_dir(out_dir, "--out");  // before the training it would hold the results of
     zeal::Engine engine(std::move(*config));
     // The data: the same on every rank; a package's hash decides train or held-out.
     std::map<std::string, std::vector<Package>> by_section;

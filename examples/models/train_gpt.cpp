@@ -36,6 +36,7 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "engine/output.h"
 #include "engine/memory_tracker.h"
 #include "examples/common/flags.h"
 #include "examples/common/progress.h"
@@ -171,6 +172,9 @@ int main(int argc, char** argv) {
   std::optional<zeal::Config> config = zeal_examples::load_config(argc, argv, "train_gpt");
   if (!config) return 2;
   try {
+    // The places results go, checked before any training time is spent.
+    if (!save_dir.empty()) zeal::check_output_dir(save_dir, "--save_dir");
+    if (!log_jsonl.empty()) zeal::check_output_file(log_jsonl, "--log_jsonl");
     zeal::Engine engine(std::move(*config));
     std::vector<int64_t> tokens;
     for (const auto& path : data) {

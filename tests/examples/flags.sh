@@ -151,7 +151,28 @@ python3 -c "import struct,sys; sys.stdout.buffer.write(struct.pack('<3i', 202405
 check_run "$dir/big.bin has llm.c's magic but an impossible header" --steps 1 --data "$dir/big.bin"
 python3 -c "import struct,sys; sys.stdout.buffer.write(struct.pack('<3i', 20240520, 1, 100) + bytes(500))" > "$dir/short.bin"
 check_run "$dir/short.bin has llm.c's magic but is shorter than its 1024-byte header" --steps 1 --data "$dir/short.bin"
-check_run "save_state: cannot create the folder /dev/null/ck" --steps 1 --seq_len 16 --micro_batch 2 --save_dir /dev/null/ck/x
+# Output places that cannot be written are found before any training (100000 steps would outlast
+# the timeout).
+check_run "--save_dir: cannot create the folder /dev/null/ck/x" --steps 100000 --seq_len 16 --micro_batch 2 --save_dir /dev/null/ck/x
+check_run "--save_dir: cannot create the folder /proc/zeal_ckpt" --steps 100000 --seq_len 16 --micro_batch 2 --save_dir /proc/zeal_ckpt
+check_run "--log_jsonl: cannot create the folder /proc/zeal_logs" --steps 100000 --seq_len 16 --micro_batch 2 --log_jsonl /proc/zeal_logs/train.jsonl
+check_run "--log_jsonl: $dir is a folder, not a file" --steps 100000 --seq_len 16 --micro_batch 2 --log_jsonl "$dir"
+err=$(timeout 60 "$finetune_lora" --out /proc/zeal_lora_out 2>&1 >/dev/null)
+rc=$?
+if [ "$rc" -ne 1 ] || ! grep -qF -- "--out: cannot create the folder /proc/zeal_lora_out" <<<"$err"; then
+  echo "FAIL: finetune_lora --out /proc/zeal_lora_out: exit $rc, said: $err" >&2
+  fail=1
+else
+  echo "ok: finetune_lora --out /proc/zeal_lora_out -> 1: $err"
+fi
+err=$(timeout 60 "$zeal" estimate-memory --model tiny --json /proc/zeal_est/est.json 2>&1 >/dev/null)
+rc=$?
+if [ "$rc" -eq 0 ] || ! grep -qF -- "--json: cannot create the folder /proc/zeal_est" <<<"$err"; then
+  echo "FAIL: estimate-memory --json /proc/zeal_est/est.json: exit $rc, said: $err" >&2
+  fail=1
+else
+  echo "ok: estimate-memory --json /proc/zeal_est/est.json -> $rc: $err"
+fi
 # An allocation no machine has: LibTorch's enforce failure, in one line.
 check_run "you tried to allocate" --steps 1 --seq_len 128 --micro_batch 1048576
 rm -rf "$dir"

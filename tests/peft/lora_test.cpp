@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <map>
 #include <string>
 #include <vector>
@@ -493,6 +494,28 @@ int64_t bytes_read_by_process() {
     if (key == "rchar:") return value;
   }
   throw std::runtime_error("/proc/self/io has no rchar");
+}
+
+// save_merged into a folder holding an earlier sharded export replaces that export as a set: the
+// old index and shards go, the folder's other files stay, nothing partial is left.
+TEST(SaveMerged, ReplacesAnEarlierShardedExportAsASet) {
+  namespace fs = std::filesystem;
+  const std::string dir = temp_dir("merged_set");
+  fs::create_directories(dir);
+  for (const char* name : {"model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                           "model-00002-of-00002.safetensors", "config.json", "tokenizer.json"}) {
+    std::ofstream(dir + "/" + name) << "earlier";
+  }
+  zeal_test::seed(5);
+  zeal::models::BertModel base(tiny_bert());
+  zeal::peft::LoraConfig lc;
+  lc.target_modules = {"query"};
+  auto p = zeal::peft::get_peft_model(base.ptr(), lc);
+  p.save_merged(dir);
+  std::set<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir)) left.insert(e.path().filename().string());
+  EXPECT_EQ(left, (std::set<std::string>{"config.json", "model.safetensors", "tokenizer.json"}));
+  EXPECT_FALSE(read_st(dir + "/model.safetensors").tensors.empty());
 }
 
 // Under stage 3 with engine.init each rank reads its slices of the units' weights, not the file:
