@@ -47,6 +47,25 @@ auto on_store(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::millise
 }  // namespace
 
 void set_store_host(const std::string& who) { store_host_name() = who; }
+
+namespace {
+struct RankMachines {
+  std::mutex mu;
+  std::vector<int> node;
+  std::vector<std::string> host;
+};
+RankMachines& rank_machines() {
+  static RankMachines m;
+  return m;
+}
+}  // namespace
+
+void note_rank_machines(std::vector<int> node_of_rank, std::vector<std::string> host_of_rank) {
+  auto& m = rank_machines();
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.node = std::move(node_of_rank);
+  m.host = std::move(host_of_rank);
+}
 const std::string& store_host() { return store_host_name(); }
 
 void run_bounded(const std::function<void()>& op, std::chrono::milliseconds deadline, const std::string& what,
@@ -303,7 +322,37 @@ void Monitor::fail(const OpInfo& op, const std::string& cause) {
       where.push_back(fmt::format("rank {} reached it{}", r, life));
     }
   }
+  // Machines none of whose ranks answers: lost, cut off, or their launcher stopped. When the store
+  // itself is silent nothing is known of the others; the store's machine is named instead.
+  std::vector<std::string> machines;
+  bool machine_lost = false;
+  {
+    auto& rm = rank_machines();
+    std::lock_guard<std::mutex> lock(rm.mu);
+    if (static_cast<int>(rm.node.size()) == world_ && rm.node[rank_] >= 0) {
+      std::map<int, std::vector<int>> by_node;
+      for (int r = 0; r < world_; ++r) by_node[rm.node[r]].push_back(r);
+      for (const auto& [node, ranks] : by_node) {
+        if (node == rm.node[rank_]) continue;
+        const std::string label = fmt::format("machine {} (host {}, rank{} {})", node, rm.host[ranks.front()],
+                                              ranks.size() == 1 ? "" : "s", rank_list(ranks));
+        if (store_silent_) {
+          if (std::find(ranks.begin(), ranks.end(), 0) != ranks.end()) {
+            machines.push_back(fmt::format("the store is on {}: if that machine or the network to it is down, none "
+                                           "of its ranks can be reached either", label));
+          }
+          continue;
+        }
+        const bool silent = std::all_of(ranks.begin(), ranks.end(), [&](int r) { return !peers[r].known || !peers[r].alive; });
+        if (!silent) continue;
+        machine_lost = true;
+        machines.push_back(fmt::format("{} does not answer: none of its ranks responds (the machine, the network to "
+                                       "it or its launcher is down)", label));
+      }
+    }
+  }
   std::string msg = fmt::format("rank {}: {} failed: {}", rank_, op.describe(), cause);
+  for (const auto& m : machines) msg += "\n  " + m;
   if (!missing.empty()) {
     msg += fmt::format("\n  missing: rank{} {} {} not reached it", missing.size() == 1 ? "" : "s", rank_list(missing),
                        missing.size() == 1 ? "has" : "have");
@@ -315,7 +364,7 @@ void Monitor::fail(const OpInfo& op, const std::string& cause) {
                        store_host(), kStoreCall.count() / 1000.0);
   }
   for (const auto& w : where) msg += "\n  " + w;
-  if (!store_silent_)
+  if (!store_silent_ && !machine_lost)
     msg += "\n  Every rank must issue the same collectives in the same order; run with ZEAL_DEBUG_COLLECTIVES=1 to check.";
   throw CommError(msg, op.name, op.seq, missing);
 }

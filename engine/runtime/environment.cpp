@@ -138,13 +138,15 @@ std::string nccl_version() {
 
 }  // namespace
 
+const char* build_source_id();  // generated at build time (cmake/build_id.cmake)
+
 std::vector<EnvironmentItem> describe_environment() {
   std::vector<EnvironmentItem> items;
   utsname u{};
   uname(&u);
   const Topology topo = hwloc_topology();
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  items.push_back({"zeal", fmt::format("{} ({} build)", ZEAL_VERSION, ZEAL_BUILD_TYPE)});
+  items.push_back({"zeal", fmt::format("{} ({} build, {})", ZEAL_VERSION, ZEAL_BUILD_TYPE, build_source_id())});
   const char* cuda = !libtorch_cuda_linked() ? "CPU half only (scripts/setup --cuda adds the CUDA half)"
                      : libtorch_has_cuda()    ? "CUDA half linked, GPUs usable"
                                               : "CUDA half linked, no GPU usable";

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <set>
 #include <utility>
 #include <sstream>
 #include <thread>
@@ -27,8 +28,13 @@
 #include "engine/comm/staging.h"
 #include "engine/runtime/device_choice.h"
 #include "engine/config/config.h"
+#include "engine/config/schema.h"
+#include "engine/runtime/environment.h"
 
 namespace zeal {
+
+const char* build_source_id();  // generated at build time (cmake/build_id.cmake)
+
 namespace {
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
@@ -42,14 +48,21 @@ int g_rank_for_terminate = -1;
 // Runtime(const Config&) for the rendezvous to compare; empty when the runtime was built without one.
 std::string g_settings;
 
+// Keys that may differ between machines: where things are on each machine (its rank, paths, GPUs,
+// the disk's I/O tuning, how machine 0 is named from here) and what is only printed.
+bool machine_specific(const std::string& key) {
+  static const std::set<std::string> keys = {"machine_rank", "main_process_ip", "gpu_ids", "memory_check",
+                                             "steps_per_print", "wall_clock_breakdown"};
+  return keys.count(key) || key.rfind("aio.", 0) == 0 ||
+         (key.size() > 10 && key.compare(key.size() - 10, 10, ".nvme_path") == 0);
+}
+
 DistEnv note_settings(const Config& c) {
-  auto device = [](OffloadDevice d) { return d == OffloadDevice::kCpu ? "cpu" : d == OffloadDevice::kNvme ? "nvme" : "none"; };
-  g_settings = fmt::format("zero_optimization.stage={}\nmixed_precision={}\nzero_optimization.offload_optimizer.device={}\n"
-                           "zero_optimization.offload_param.device={}\ngradient_accumulation_steps={}\n",
-                           c.zero.stage, c.mixed_precision, device(c.zero.offload_optimizer.device),
-                           device(c.zero.offload_param.device),
-                           c.gradient_accumulation_steps.is_auto ? std::string("auto")
-                                                                 : std::to_string(c.gradient_accumulation_steps.value));
+  // The build first (another zeal or LibTorch would compute differently), then every key.
+  g_settings = fmt::format("build=zeal {} ({}), LibTorch {}\n", ZEAL_VERSION, build_source_id(), libtorch_version());
+  for (const auto& f : config_detail::fields()) {
+    if (!machine_specific(f.key)) g_settings += f.key + "=" + f.print(c) + "\n";
+  }
   return DistEnv::from_environment(&c);
 }
 
@@ -110,7 +123,8 @@ void check_in_unguarded(const c10::intrusive_ptr<c10d::Store>& store, const Dist
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
   const auto call = std::chrono::milliseconds(10000);
-  const std::string mine = fmt::format("{} {} {} {}", e.world_size, e.local_rank, host, static_cast<int>(getpid()));
+  const std::string mine =
+      fmt::format("{} {} {} {} {}", e.world_size, e.local_rank, host, static_cast<int>(getpid()), e.node_rank);
   detail::run_bounded([store, key = fmt::format("zeal/rdzv/{}", e.rank), mine] { store->set(key, bytes(mine)); },
                       call, "rendezvous:");
   std::vector<std::string> keys;
@@ -144,32 +158,77 @@ void check_in_unguarded(const c10::intrusive_ptr<c10d::Store>& store, const Dist
                               e.rank, e.world_size, r, their_world, v.substr(v.find(' ') + 1)));
     }
   }
-  // And on the settings that decide which collectives run: a rank at another ZeRO stage would
-  // otherwise be reported as "not in any collective" much later.
+  // Which machine each rank is on, for reports of ranks that stop answering.
+  {
+    std::vector<int> nodes(e.world_size, -1);
+    std::vector<std::string> hosts(e.world_size);
+    for (int r = 0; r < e.world_size; ++r) {
+      std::istringstream in(
+          detail::bounded<std::string>([store, key = keys[r]] { return text(store->get(key)); }, call, "rendezvous:"));
+      int world = 0, local = 0, pid = 0;
+      in >> world >> local >> hosts[r] >> pid >> nodes[r];
+    }
+    detail::note_rank_machines(nodes, hosts);
+  }
+  // And on the build and the config: a rank at another ZeRO stage or with another learning rate
+  // would otherwise fail much later, or train something else without a word.
   if (settings.empty()) return;
-  const std::string mine_settings = settings;
-  detail::run_bounded([store, key = fmt::format("zeal/rdzv/settings/{}", e.rank), mine_settings] {
-    store->set(key, bytes(mine_settings));
+  // Each rank posts its settings and a digest of them; all compare digests, and the full text of
+  // rank 0 and of a differing rank is read only to name the first key that differs.
+  const std::string digest = fmt::format("{:016x}", std::hash<std::string>{}(settings));
+  detail::run_bounded([store, key = fmt::format("zeal/rdzv/settings/{}", e.rank), settings] {
+    store->set(key, bytes(settings));
   }, call, "rendezvous:");
-  std::vector<std::string> setting_keys;
-  for (int r = 0; r < e.world_size; ++r) setting_keys.push_back(fmt::format("zeal/rdzv/settings/{}", r));
-  detail::run_bounded([store, setting_keys, timeout] { store->wait(setting_keys, timeout); }, timeout + call,
+  detail::run_bounded([store, key = fmt::format("zeal/rdzv/digest/{}", e.rank), digest] {
+    store->set(key, bytes(digest));
+  }, call, "rendezvous:");
+  std::vector<std::string> digest_keys;
+  for (int r = 0; r < e.world_size; ++r) digest_keys.push_back(fmt::format("zeal/rdzv/digest/{}", r));
+  detail::run_bounded([store, digest_keys, timeout] { store->wait(digest_keys, timeout); }, timeout + call,
                       "rendezvous:");
-  for (int r = 0; r < e.world_size; ++r) {
-    if (r == e.rank) continue;
-    const std::string theirs = detail::bounded<std::string>(
-        [store, key = setting_keys[r]] { return text(store->get(key)); }, call, "rendezvous:");
-    if (theirs == mine_settings) continue;
-    // "key=value" lines: name the first that differs.
-    std::istringstream a(mine_settings), b(theirs);
-    for (std::string x, y; std::getline(a, x) && std::getline(b, y);) {
-      if (x == y) continue;
-      const std::string key = x.substr(0, x.find('='));
-      throw Error(fmt::format("rank {} was started with {} {} but rank {} with {}: every rank must run with the same "
-                              "config (check the files and overrides each machine was given)",
-                              e.rank, key, x.substr(x.find('=') + 1), r, y.substr(y.find('=') + 1)));
+  const std::string base = detail::bounded<std::string>([store, key = digest_keys[0]] { return text(store->get(key)); },
+                                                        call, "rendezvous:");
+  std::vector<int> differ;
+  for (int r = 1; r < e.world_size; ++r) {
+    const std::string d = r == e.rank ? digest
+                                      : detail::bounded<std::string>(
+                                            [store, key = digest_keys[r]] { return text(store->get(key)); }, call,
+                                            "rendezvous:");
+    if (d != base) differ.push_back(r);
+  }
+  if (differ.empty()) return;
+  const int other = differ.front();
+  auto settings_of = [&](int r) {
+    if (r == e.rank) return settings;
+    return detail::bounded<std::string>(
+        [store, key = fmt::format("zeal/rdzv/settings/{}", r)] { return text(store->get(key)); }, call, "rendezvous:");
+  };
+  const std::string zero = settings_of(0), theirs = settings_of(other);
+  // "key=value" lines: name the first that differs (distributed_type only when nothing else does:
+  // Accelerate derives it from the stage).
+  std::istringstream a(zero), b(theirs);
+  std::string key = "a setting", x, y, xa, ya;
+  std::vector<std::string> also;
+  for (; std::getline(a, xa) && std::getline(b, ya);) {
+    if (xa == ya) continue;
+    const std::string k = xa.substr(0, xa.find('='));
+    if (key == "a setting" || (key == "distributed_type" && k != key)) {
+      if (key != "a setting") also.push_back(key);
+      key = k, x = xa, y = ya;
+    } else {
+      also.push_back(k);
     }
   }
+  std::string list;
+  for (int r : differ) list += (list.empty() ? "" : ", ") + std::to_string(r);
+  std::string more;
+  for (const auto& k : also) more += (more.empty() ? "; also " : ", ") + k;
+  throw Error(fmt::format(
+      "rank {} was started with {} {} but rank 0 with {}{}{}: every rank must run the same zeal build with the same "
+      "config (check the files, overrides and programs each machine was given){}",
+      other, key, y.empty() ? "(none)" : y.substr(y.find('=') + 1), x.empty() ? "(none)" : x.substr(x.find('=') + 1),
+      more, differ.size() > 1 ? fmt::format(" (ranks {} differ from rank 0)", list) : "",
+      e.rank == 0 || e.rank == other ? "" : fmt::format(" [seen by rank {}]", e.rank)));
 }
 
 void check_in(const c10::intrusive_ptr<c10d::Store>& store, const DistEnv& e, std::chrono::milliseconds timeout,
