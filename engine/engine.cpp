@@ -131,6 +131,13 @@ Engine::Engine(Config config, Runtime& runtime)
 
 Engine::~Engine() {
   finish_background_save();
+  if (state_) {
+    try {
+      end_training();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "zeal: closing the trackers: %s\n", e.what());
+    }
+  }
   // Stage 3 leaves the model gathered (usable) when the engine goes, unless the engine held its
   // last handle: then the model goes too, and gathering it whole would only cost memory.
   if (state_ && state_->module && state_->module.use_count() == 1) {

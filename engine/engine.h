@@ -37,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/trackers.h"
 #include "engine/config/config.h"
 #include "engine/data/loader.h"
 #include "engine/memory.h"
@@ -326,6 +327,19 @@ class Engine {
   // Pads dimension `dim` to the largest size on any rank with pad_value.
   at::Tensor pad_across_processes(const at::Tensor& t, int64_t dim = 0, double pad_value = 0,
                                   bool pad_first = false);
+
+  // --- trackers (Accelerate's init_trackers / log / end_training; docs/trackers.md) -------------
+  // Opens the trackers the config chooses (log_with in logging_dir/<project_name>, DeepSpeed's
+  // tensorboard and csv_monitor sections in output_path/job_name) on the main process, recording
+  // `config` (the run's hyperparameters) with them; the other processes keep none. Every process
+  // may call log: only the main process writes.
+  void init_trackers(const std::string& project_name, const std::map<std::string, std::string>& config = {});
+  // One record of scalar metrics at `step` (-1: the optimizer steps taken so far) to every tracker.
+  void log(const Metrics& values, int64_t step = -1);
+  // Closes the trackers (also done when the engine goes).
+  void end_training();
+  // The open tracker of that name ("jsonl", "csv", "tensorboard"), or null (and on other processes).
+  Tracker* get_tracker(const std::string& name);
 
   // --- processes ------------------------------------------------------------------------------
   template <class... Args>

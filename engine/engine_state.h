@@ -46,6 +46,7 @@ struct Engine::State {
   std::shared_ptr<data::Progress> progress = std::make_shared<data::Progress>();
   std::vector<std::shared_ptr<data::Cursor>> cursors;  // one per prepared loader, in prepare order
   std::vector<std::shared_ptr<Checkpointable>> custom;  // register_for_checkpointing, in order
+  std::vector<std::unique_ptr<Tracker>> trackers;        // init_trackers, on the main process
   int64_t loader_batch_size = 0;
   bool backward_in_micro_step = false, grads_pending = false;
   int64_t micro_steps_begun = 0;  // every micro-step so far (collectives' descriptions, agreement points)

@@ -173,6 +173,14 @@ struct ProgramValues {
   std::optional<int64_t> warmup_num_steps;
 };
 
+// DeepSpeed's tensorboard and csv_monitor sections: a tracker writing into output_path/job_name.
+struct MonitorConfig {
+  bool enabled = false;
+  std::string output_path;                   // empty: logging_dir
+  std::string job_name = "DeepSpeedJobName";
+  bool operator==(const MonitorConfig&) const = default;
+};
+
 struct Config {
   LaunchConfig launch;
   std::string mixed_precision = "no";  // no, fp16, bf16 (kept consistent with fp16/bf16.enabled)
@@ -201,6 +209,12 @@ struct Config {
   // units, the runtime) and compares it with the memory it may use: "warn" says so when it will not
   // fit, "error" refuses to train, "off" does not check.
   std::string memory_check = "warn";
+  // Experiment trackers for engine.init_trackers / engine.log (Accelerate's log_with): tensorboard,
+  // csv, jsonl or all; Accelerate's other names (wandb, comet_ml, …) are accepted and said to log
+  // nowhere. They write into logging_dir/<project>; DeepSpeed's sections choose their own folders.
+  std::vector<std::string> log_with;
+  std::string logging_dir = "runs";
+  MonitorConfig tensorboard, csv_monitor;
 
   // Accelerate/FSDP settings kept as given, with what zeal made of each.
   std::map<std::string, std::string> recorded;

@@ -275,6 +275,56 @@ std::vector<Field> make_fields() {
   f.push_back(enum_field("memory_check", ZEAL_GET(memory_check), {"warn", "error", "off"},
                          "At prepare: the rank's predicted peak against the memory it may use; warn or refuse when it "
                          "will not fit"));
+  // Experiment trackers.
+  f.push_back({"log_with", "list of strings",
+               "Trackers for engine.init_trackers / engine.log: tensorboard, csv, jsonl or all (Accelerate's other "
+               "names are accepted and log nowhere)",
+               [](Config& c, const YAML::Node& n) {
+                 static const std::vector<std::string> known = {"tensorboard", "csv", "jsonl", "all", "wandb",
+                                                                "comet_ml", "mlflow", "aim", "clearml", "dvclive",
+                                                                "swanlab", "trackio"};
+                 std::vector<std::string> names;
+                 auto add = [&](std::string s) {
+                   s.erase(0, s.find_first_not_of(" \t"));
+                   s.erase(s.find_last_not_of(" \t") + 1);
+                   if (s.empty()) return;
+                   if (std::find(known.begin(), known.end(), lower(s)) == known.end()) {
+                     throw ValueError{fmt::format("expected tracker names among {}, got {}", join(known, ", "), quote(s))};
+                   }
+                   names.push_back(lower(s));
+                 };
+                 if (n.IsSequence()) {
+                   for (const auto& e : n) add(need_scalar(e, "a list of tracker names"));
+                 } else if (!n.IsNull()) {
+                   const std::string s = need_scalar(n, "a list of tracker names");
+                   for (size_t start = 0; start <= s.size();) {
+                     const size_t comma = s.find(',', start);
+                     add(s.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+                     if (comma == std::string::npos) break;
+                     start = comma + 1;
+                   }
+                 }
+                 c.log_with = names;
+               },
+               [](const Config& c) {
+                 std::vector<std::string> q;
+                 for (const auto& s : c.log_with) q.push_back(quote(s));
+                 return "[" + join(q, ", ") + "]";
+               }});
+  f.push_back(string_field("logging_dir", ZEAL_GET(logging_dir), false,
+                           "Folder of log_with's trackers: each writes into logging_dir/<project name>"));
+  for (const char* section : {"tensorboard", "csv_monitor"}) {
+    const std::string s = section;
+    const bool tb = s == "tensorboard";
+    auto get = [tb](Config& c) -> MonitorConfig& { return tb ? c.tensorboard : c.csv_monitor; };
+    f.push_back(bool_field(s + ".enabled", [get](Config& c) -> bool& { return get(c).enabled; },
+                           tb ? "DeepSpeed's TensorBoard monitor: event files of engine.log's scalars"
+                              : "DeepSpeed's CSV monitor: one <metric>.csv per metric"));
+    f.push_back(string_field(s + ".output_path", [get](Config& c) -> std::string& { return get(c).output_path; }, true,
+                             "Folder of the monitor's job folder (empty: logging_dir)"));
+    f.push_back(string_field(s + ".job_name", [get](Config& c) -> std::string& { return get(c).job_name; }, false,
+                             "The monitor writes into output_path/job_name"));
+  }
   // ZeRO.
   f.push_back(int_field("zero_optimization.stage", ZEAL_GET(zero.stage), 0, 3,
                         "0: replicate (DDP); 1: shard optimizer states; 2: + gradients; 3: + parameters"));
@@ -479,10 +529,8 @@ std::map<std::string, std::string> make_not_applicable() {
       {"sparse_gradients", "a sparse all-reduce for embedding gradients; zeal reduces them dense, the same sums"},
       {"memory_breakdown", "DeepSpeed's memory printout; use engine.memory()"},
       {"flops_profiler", "a profiler; nothing it does reaches the training"},
-      {"tensorboard", "a logger"},
-      {"wandb", "a logger"},
-      {"csv_monitor", "a logger"},
-      {"comet", "a logger"},
+      {"wandb", "a logger zeal does not have (tensorboard, csv_monitor and log_with's jsonl are)"},
+      {"comet", "a logger zeal does not have (tensorboard, csv_monitor and log_with's jsonl are)"},
       {"comms_logger", "a logger of collectives; use ZEAL_DEBUG_COLLECTIVES"},
       {"activation_checkpointing.partition_activations",
        "splits checkpoints among model-parallel ranks; zeal has no model parallelism, each rank keeps its own"},

@@ -73,7 +73,8 @@ bool Config::operator==(const Config& o) const {
          gradient_accumulation_steps == o.gradient_accumulation_steps &&
          gradient_clipping == o.gradient_clipping && optimizer == o.optimizer && scheduler == o.scheduler &&
          steps_per_print == o.steps_per_print && wall_clock_breakdown == o.wall_clock_breakdown &&
-         broadcast_buffers == o.broadcast_buffers && memory_check == o.memory_check;
+         broadcast_buffers == o.broadcast_buffers && memory_check == o.memory_check && log_with == o.log_with &&
+         logging_dir == o.logging_dir && tensorboard == o.tensorboard && csv_monitor == o.csv_monitor;
 }
 
 Precision Config::precision() const {

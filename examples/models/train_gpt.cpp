@@ -218,6 +218,14 @@ int main(int argc, char** argv) {
       if (!jsonl) throw zeal::Error(fmt::format("--log_jsonl: cannot write {}", log_jsonl));
     }
     const int64_t per_step = micro_batch * world * accum;
+    // The config's trackers (log_with, tensorboard, csv_monitor) get every step's numbers.
+    engine.init_trackers("train_gpt", {{"model", cfg.name},
+                                       {"seq_len", std::to_string(seq_len)},
+                                       {"micro_batch", std::to_string(micro_batch)},
+                                       {"gradient_accumulation_steps", std::to_string(accum)},
+                                       {"lr", fmt::format("{}", lr)},
+                                       {"weight_decay", fmt::format("{}", weight_decay)},
+                                       {"seed", std::to_string(seed)}});
     // The loop's own step count (fp16 steps skipped on overflow are steps here) goes into every
     // checkpoint with the engine's state.
     struct LoopStep : zeal::Checkpointable {
@@ -304,6 +312,15 @@ int main(int argc, char** argv) {
         evaluated = true;
         bar.line(fmt::format("step {}/{}: held-out loss {:.4f} (train loss {:.4f})", step + 1, steps, last_eval, loss));
       }
+      zeal::Metrics metrics = {{"train/loss", loss},
+                               {"train/grad_norm", engine.last_grad_norm()},
+                               {"train/lr", engine.get_lr().empty() ? lr : engine.get_lr().front()},
+                               {"train/tokens_per_s", tokens_per_s},
+                               {"train/step_s", seconds},
+                               {"memory/rss_bytes", static_cast<double>(so_far.cpu.end)},
+                               {"memory/peak_rss_bytes", static_cast<double>(so_far.cpu.peak)}};
+      if (evaluated) metrics["eval/loss"] = last_eval;
+      engine.log(metrics, step + 1);
       if (jsonl.is_open()) {
         jsonl << fmt::format("{{\"step\": {}, \"loss\": {:.6f}, \"grad_norm\": {:.6g}, \"step_s\": {:.4f}, "
                              "\"tokens_per_s\": {:.1f}, \"skipped\": {}, \"model_state_bytes\": {}, "
@@ -328,6 +345,7 @@ int main(int argc, char** argv) {
       }
     }
     bar.finish();
+    engine.end_training();
     const zeal::PhaseMemory train_mem = train_phase.end(false);
     if (engine.is_main_process()) {
       for (const auto& l : train_mem.lines()) engine.print(l);

@@ -94,6 +94,9 @@ if [ "$rc" -ne 2 ] || [ "$(grep -c "unknown key" <<<"$err")" -ne 20 ] || ! grep 
 else
   echo "ok: zeal config validate with 27 problems -> 2, 20 shown and a count"
 fi
+# A tracker zeal does not know is refused, naming the key and the value.
+printf 'log_with: [tensorboard, tensorbored]\n' > "$tmpd/trackers.yaml"
+check "$zeal" "log_with.*tensorbored" config validate "$tmpd/trackers.yaml"
 rm -rf "$tmpd"
 # A flag the program does not know, and a stray argument, are errors too (not taken as the engine's).
 check "$train_gpt" "--rank" --rank 0
