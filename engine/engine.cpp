@@ -19,6 +19,8 @@
 #include <exception>
 #include <filesystem>
 #include <map>
+#include <set>
+#include <sstream>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -361,6 +363,22 @@ void Engine::check_memory_at_prepare() {
       detail::predict_prepare_memory(*state_->module, state_->init_shards.get(), config_, runtime_->world_size(),
                                      runtime_->local_world_size(), device_.is_cuda());
   if (nvme) {
+    // A restarted attempt (zeal launch --max_restarts) first removes the swap files its killed
+    // predecessor left: they would otherwise take the space this one needs.
+    if (const char* prev = std::getenv("ZEAL_PREVIOUS_ATTEMPT_PIDS"); prev && *prev) {
+      std::vector<long> pids;
+      std::istringstream list(prev);
+      for (std::string p; std::getline(list, p, ',');) pids.push_back(std::atol(p.c_str()));
+      std::set<std::string> paths;
+      if (config_.zero.offload_optimizer.device == OffloadDevice::kNvme) paths.insert(config_.zero.offload_optimizer.nvme_path);
+      if (config_.zero.offload_param.device == OffloadDevice::kNvme) paths.insert(config_.zero.offload_param.nvme_path);
+      for (const auto& path : paths) {
+        for (const auto& d : offload::remove_earlier_attempt(path, pids)) {
+          std::fprintf(stderr, "zeal: offload: rank %d removed %s, the swap files of the attempt before this one\n",
+                       runtime_->rank(), d.c_str());
+        }
+      }
+    }
     // The free space for the swap files, before anything is written (every rank, in agreement).
     const auto verdicts = ckpt::all_strings(*this, detail::check_swap_space(pm, config_, runtime_->local_world_size()));
     std::vector<std::pair<std::string, std::vector<int>>> said;  // each message once, with its ranks

@@ -331,8 +331,9 @@ class Engine {
   // --- trackers (Accelerate's init_trackers / log / end_training; docs/trackers.md) -------------
   // Opens the trackers the config chooses (log_with in logging_dir/<project_name>, DeepSpeed's
   // tensorboard and csv_monitor sections in output_path/job_name) on the main process, recording
-  // `config` (the run's hyperparameters) with them; the other processes keep none. Every process
-  // may call log: only the main process writes.
+  // `config` (the run's hyperparameters) with them; the other processes keep none. Collective: when
+  // the main process cannot open them, every rank throws. Every process may call log: only the
+  // main process writes (a failed write is an error there).
   void init_trackers(const std::string& project_name, const std::map<std::string, std::string>& config = {});
   // One record of scalar metrics at `step` (-1: the optimizer steps taken so far) to every tracker.
   void log(const Metrics& values, int64_t step = -1);
@@ -477,6 +478,7 @@ class Engine {
                                const std::function<std::string(const std::string&)>& map);
   void build_zero();
   void check_memory_at_prepare();
+  void open_trackers(const std::string& project_name, const std::map<std::string, std::string>& config);
   void say_gradient_dtypes(int world) const;
   void report_progress(const std::vector<double>& lrs);
   // broadcast_buffers: the model's buffers take rank 0's values (collective).

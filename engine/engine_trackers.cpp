@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "engine/checkpoint/state_stream.h"
 #include "engine/engine.h"
 #include "engine/engine_state.h"
 #include "engine/error.h"
@@ -13,7 +14,22 @@ namespace zeal {
 namespace fs = std::filesystem;
 
 void Engine::init_trackers(const std::string& project_name, const std::map<std::string, std::string>& config) {
-  if (!is_main_process()) return;
+  // The main process opens them; every rank learns whether that failed, so that all end together
+  // instead of the others waiting in their next collective. Collective.
+  std::string error;
+  if (is_main_process()) {
+    try {
+      open_trackers(project_name, config);
+    } catch (const std::exception& e) {
+      error = e.what();
+      state_->trackers.clear();
+    }
+  }
+  const std::string failed = ckpt::agreed_failures(*this, error);
+  if (!failed.empty()) throw Error("init_trackers: the trackers could not be opened:" + failed);
+}
+
+void Engine::open_trackers(const std::string& project_name, const std::map<std::string, std::string>& config) {
   if (!state_->trackers.empty()) throw Error("init_trackers: the trackers are open already (end_training closes them)");
   if (project_name.empty() || project_name.find('/') != std::string::npos || project_name == "." || project_name == "..") {
     throw Error(fmt::format("init_trackers: the project name '{}' must be a plain folder name", project_name));

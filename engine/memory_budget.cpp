@@ -14,39 +14,6 @@
 namespace zeal {
 namespace {
 
-// The memory controller's files for this process, most specific first: its own cgroup's, then
-// the mount root's (a container often sees its own cgroup as the root).
-std::vector<std::string> cgroup_files(const std::string& v2_name, const std::string& v1_name) {
-  std::ifstream self("/proc/self/cgroup");
-  std::vector<std::string> files;
-  for (std::string line; std::getline(self, line);) {
-    const size_t a = line.find(':'), b = line.find(':', a == std::string::npos ? a : a + 1);
-    if (a == std::string::npos || b == std::string::npos) continue;
-    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
-    if (controllers.empty()) {
-      files.push_back("/sys/fs/cgroup" + path + "/" + v2_name);
-      files.push_back("/sys/fs/cgroup/" + v2_name);
-    } else if (("," + controllers + ",").find(",memory,") != std::string::npos) {
-      files.push_back("/sys/fs/cgroup/memory" + path + "/" + v1_name);
-      files.push_back("/sys/fs/cgroup/memory/" + v1_name);
-    }
-  }
-  return files;
-}
-
-int64_t first_number(const std::vector<std::string>& files) {
-  for (const auto& f : files) {
-    std::ifstream in(f);
-    std::string word;
-    if (!(in >> word)) continue;
-    if (word == "max") return -1;
-    char* end = nullptr;
-    const long long v = std::strtoll(word.c_str(), &end, 10);
-    if (end && *end == 0 && v >= 0) return v;
-  }
-  return -1;
-}
-
 int64_t meminfo(const char* key) {
   std::ifstream in("/proc/meminfo");
   std::string k;
@@ -59,34 +26,76 @@ int64_t meminfo(const char* key) {
   return -1;
 }
 
-// A key of the cgroup's memory.stat (v1 names the hierarchy's totals "total_<key>").
-int64_t memory_stat(const std::string& key) {
-  for (const auto& f : cgroup_files("memory.stat", "memory.stat")) {
-    std::ifstream in(f);
-    if (!in) continue;
-    std::string k;
-    int64_t v = 0;
-    while (in >> k >> v) {
-      if (k == key || k == "total_" + key) return v;
+// This process's cgroup folders, most specific first: (v2) its own and every ancestor up to the
+// mount's root; (v1, the memory controller) its own, then the mount's root.
+struct CgroupDirs {
+  bool v2 = false;
+  std::vector<std::string> dirs;
+};
+
+CgroupDirs cgroup_dirs() {
+  CgroupDirs c;
+  std::ifstream self("/proc/self/cgroup");
+  for (std::string line; std::getline(self, line);) {
+    const size_t a = line.find(':'), b = line.find(':', a == std::string::npos ? a : a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    if (controllers.empty()) {
+      c.v2 = true;
+      c.dirs.clear();
+      for (std::string p = path;;) {
+        c.dirs.push_back("/sys/fs/cgroup" + (p == "/" ? std::string() : p));
+        if (p.empty() || p == "/") break;
+        const size_t slash = p.rfind('/');
+        p = slash == 0 || slash == std::string::npos ? "/" : p.substr(0, slash);
+      }
+    } else if (("," + controllers + ",").find(",memory,") != std::string::npos) {
+      c.v2 = false;
+      c.dirs = {"/sys/fs/cgroup/memory" + path, "/sys/fs/cgroup/memory"};
+      break;
     }
   }
-  return 0;
+  return c;
 }
 
-}  // namespace
+int64_t read_number(const std::string& file) {
+  std::ifstream in(file);
+  std::string word;
+  if (!(in >> word) || word == "max") return -1;
+  char* end = nullptr;
+  const long long v = std::strtoll(word.c_str(), &end, 10);
+  return end && *end == 0 && v >= 0 ? v : -1;
+}
 
-int64_t cgroup_oom_kills() {
-  for (const auto& f : cgroup_files("memory.events", "memory.oom_control")) {
-    std::ifstream in(f);
-    for (std::string line; std::getline(in, line);) {
-      if (line.rfind("oom_kill ", 0) == 0) return std::atoll(line.c_str() + 9);
-    }
+int64_t stat_key(const std::string& dir, const std::string& key) {
+  std::ifstream in(dir + "/memory.stat");
+  std::string k;
+  int64_t v = 0;
+  while (in >> k >> v) {
+    if (k == key) return v;
   }
   return -1;
 }
 
+// The limit that binds this process (the smallest on its way to the root) and the folder that
+// sets it; -1 when none does.
+std::pair<int64_t, std::string> binding_limit() {
+  const CgroupDirs c = cgroup_dirs();
+  int64_t best = -1;
+  std::string where;
+  for (const auto& d : c.dirs) {
+    // v1 reports the hierarchy's limit itself (hierarchical_memory_limit); v2 sets one per level.
+    const int64_t v = c.v2 ? read_number(d + "/memory.max") : stat_key(d, "hierarchical_memory_limit");
+    if (v >= 0 && (best < 0 || v < best)) best = v, where = d;
+    if (!c.v2 && v >= 0) break;  // the most specific readable v1 folder says it all
+  }
+  return {best, where};
+}
+
+}  // namespace
+
 int64_t cgroup_memory_limit() {
-  const int64_t v = first_number(cgroup_files("memory.max", "memory.limit_in_bytes"));
+  const int64_t v = binding_limit().first;
   // cgroup v1 writes "no limit" as a page-rounded LONG_MAX; anything beyond the machine's memory
   // is no limit either.
   const int64_t total = meminfo("MemTotal:");
@@ -95,9 +104,27 @@ int64_t cgroup_memory_limit() {
 }
 
 int64_t cgroup_memory_usage() {
-  const int64_t usage = first_number(cgroup_files("memory.current", "memory.usage_in_bytes"));
-  // Without the page cache the kernel can drop (as container runtimes count a working set).
-  return usage < 0 ? usage : std::max<int64_t>(0, usage - memory_stat("inactive_file"));
+  const auto [limit, where] = binding_limit();
+  const CgroupDirs c = cgroup_dirs();
+  // Usage where the limit is set (v2), or of this process's group (v1), without the page cache the
+  // kernel can drop (as container runtimes count a working set).
+  const std::string dir = c.v2 && !where.empty() ? where : (c.dirs.empty() ? std::string() : c.dirs.front());
+  if (dir.empty()) return -1;
+  int64_t usage = read_number(dir + (c.v2 ? "/memory.current" : "/memory.usage_in_bytes"));
+  if (usage < 0 && !c.v2 && c.dirs.size() > 1) usage = read_number(c.dirs.back() + "/memory.usage_in_bytes");
+  if (usage < 0) return -1;
+  const int64_t inactive = std::max<int64_t>(0, std::max(stat_key(dir, "inactive_file"), stat_key(dir, "total_inactive_file")));
+  return std::max<int64_t>(0, usage - inactive);
+}
+
+int64_t cgroup_oom_kills() {
+  const CgroupDirs c = cgroup_dirs();
+  if (c.dirs.empty()) return -1;
+  std::ifstream in(c.dirs.front() + (c.v2 ? "/memory.events" : "/memory.oom_control"));
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("oom_kill ", 0) == 0) return std::atoll(line.c_str() + 9);
+  }
+  return -1;
 }
 
 MemoryBudget rank_memory_budget(int local_ranks, int64_t own_resident) {

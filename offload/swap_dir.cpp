@@ -60,7 +60,38 @@ bool owner_gone(const fs::path& rank_dir) {
   return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 
+// The owner ("<host> <pid>") of a rank directory, when it is this machine's.
+long owner_pid_here(const fs::path& rank_dir) {
+  std::ifstream f(rank_dir / "owner");
+  std::string host;
+  long pid = 0;
+  if (!(f >> host >> pid) || host != hostname()) return -1;
+  return pid;
+}
+
 }  // namespace
+
+std::vector<std::string> remove_earlier_attempt(const std::string& nvme_path, const std::vector<long>& pids) {
+  std::vector<std::string> removed;
+  if (pids.empty()) return removed;
+  std::error_code ec;
+  for (auto it = fs::directory_iterator(nvme_path, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const fs::path d = it->path();
+    if (d.filename().string().rfind("zeal-", 0) != 0 || !it->is_directory(ec)) continue;
+    bool any = false, theirs = true;
+    std::error_code ec2;
+    for (auto r = fs::directory_iterator(d, ec2); !ec2 && r != fs::directory_iterator(); r.increment(ec2)) {
+      any = true;
+      const long pid = owner_pid_here(r->path());
+      theirs = theirs && std::find(pids.begin(), pids.end(), pid) != pids.end() && owner_gone(r->path());
+    }
+    if (!any || !theirs) continue;
+    const std::string what = fmt::format("{} ({})", d.string(), human(tree_bytes(d)));
+    fs::remove_all(d, ec2);
+    if (!ec2) removed.push_back(what);
+  }
+  return removed;
+}
 
 std::string new_run_id() {
   const auto secs = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch());

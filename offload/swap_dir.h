@@ -16,6 +16,11 @@
 
 namespace zeal::offload {
 
+// The run directories under nvme_path whose every rank directory belongs to one of `pids` on this
+// machine, all of them gone: what the attempt before this one of the same `zeal launch
+// --max_restarts` left when its ranks were killed. Removed; returns them as "dir (size)".
+std::vector<std::string> remove_earlier_attempt(const std::string& nvme_path, const std::vector<long>& pids);
+
 class SwapDir {
  public:
   // nvme_path must exist and be writable; run_id is the same on every rank of the run.

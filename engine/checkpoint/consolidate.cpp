@@ -1,6 +1,7 @@
 #include "engine/checkpoint/consolidate.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -123,9 +124,21 @@ int64_t parse_size(const std::string& text) {
 }
 
 // Moves the new export's files from `staging` into `out_dir`, replacing the previous export there
-// as a set: the old index goes first (a loader then finds no half-old set), the new files come in
-// with the index last, then the old files the new set does not have are removed. Other files in
-// `out_dir` (config.json, a tokenizer) stay.
+// as a set: the old entry points the new set lacks (index, single file) go first, the new files
+// come in with the index last, then the old shards the new set does not have are removed. Other
+// files in `out_dir` (config.json, a tokenizer) stay.
+fs::path export_staging(const fs::path& out_dir) {
+  // Staging folders of exports whose process is gone (killed mid-export) go; a live one's stays.
+  std::error_code ec;
+  for (auto it = fs::directory_iterator(out_dir, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (n.rfind(".zeal-export.partial.", 0) != 0) continue;
+    const long pid = std::atol(n.c_str() + 21);
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) fs::remove_all(it->path(), ec);
+  }
+  return out_dir / fmt::format(".zeal-export.partial.{}", ::getpid());
+}
+
 void publish_export(const fs::path& out_dir, const fs::path& staging, const std::vector<std::string>& names) {
   std::vector<fs::path> old;
   for (const auto& e : fs::directory_iterator(out_dir)) {
@@ -133,7 +146,12 @@ void publish_export(const fs::path& out_dir, const fs::path& staging, const std:
     if (is_export_file(n) && std::find(names.begin(), names.end(), n) == names.end()) old.push_back(e.path());
   }
   std::error_code ec;
-  fs::remove(out_dir / "model.safetensors.index.json", ec);
+  // The old entry points the new set lacks go first (a loader takes model.safetensors before an
+  // index, zeal the index first): an interruption then leaves no export, never an old one beside
+  // a new one.
+  for (const char* entry : {"model.safetensors.index.json", "model.safetensors"}) {
+    if (std::find(names.begin(), names.end(), entry) == names.end()) fs::remove(out_dir / entry, ec);
+  }
   for (const auto& n : names) {
     if (n == "model.safetensors.index.json") continue;
     fs::rename(staging / n, out_dir / n);
@@ -226,8 +244,7 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
   }
   // Written under a hidden folder inside out_dir, then moved into place as a set (publish_export).
   fs::create_directories(out_dir);
-  const fs::path staging = fs::path(out_dir) / ".zeal-export.partial";
-  fs::remove_all(staging);  // a previous export that failed
+  const fs::path staging = export_staging(out_dir);
   fs::create_directories(staging);
   struct Cleanup {
     fs::path dir;

@@ -41,6 +41,9 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
 // index first), other files stay.
 void publish_export(const std::filesystem::path& out_dir, const std::filesystem::path& staging,
                     const std::vector<std::string>& names);
+// The staging folder of this process's export into `out_dir` (.zeal-export.partial.<pid>); those
+// of exports whose process is gone are removed first.
+std::filesystem::path export_staging(const std::filesystem::path& out_dir);
 
 // "5GB", "500MB", "2GiB", "123" (bytes) → bytes; zeal::Error on anything else.
 int64_t parse_size(const std::string& s);

@@ -72,7 +72,7 @@ struct Rank {
   int64_t polled_peak = 0;
   int64_t last_rss = 0;  // VmRSS at the last sample while it ran
   std::string oom;       // how the kernel's out-of-memory killer ended it, when it did
-  std::string last_error_line;  // its last line on stderr
+  std::string last_error_line;  // the first line of its last message on stderr
   Stream out, err;
   std::deque<std::string> tail;
 };
@@ -131,8 +131,10 @@ class OomWatch {
     bool named = false;
     // The kernel's record may come a moment after the exit.
     for (int tries = 0; kmsg_ >= 0 && tries < 10 && !(named = logged(pid)); ++tries) usleep(20'000);
+    // Without the kernel's log, the cgroup's count: one new kill explains one rank.
     const int64_t kills = cgroup_oom_kills();
-    const bool counted = kills_ >= 0 && kills > kills_;
+    const bool counted = kmsg_ < 0 && kills_ >= 0 && kills > kills_;
+    if (counted) ++kills_;
     if (!named && !counted) return {};
     return fmt::format("was killed by the kernel's out-of-memory killer (SIGKILL; {}); it held {} at the last sample, "
                        "{} at most",
@@ -162,7 +164,17 @@ class OomWatch {
 
 class Group {
  public:
-  Group(const LaunchOptions& o, int restart) : o_(o), restart_(restart) {}
+  // previous_pids: the ranks of the attempt before this one (their swap files may be left).
+  Group(const LaunchOptions& o, int restart, std::string previous_pids)
+      : o_(o), restart_(restart), previous_pids_(std::move(previous_pids)) {}
+
+  std::string pids() const {
+    std::string s;
+    for (const auto& r : ranks_) {
+      if (r.pid > 0) s += (s.empty() ? "" : ",") + std::to_string(r.pid);
+    }
+    return s;
+  }
 
   // How the attempt ended, for the restart decision.
   bool interrupted() const { return interrupted_by_ != 0; }
@@ -223,6 +235,7 @@ class Group {
       env["ZEAL_RESTART_COUNT"] = std::to_string(restart_);
       env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart_);
       env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o_.max_restarts);
+      if (!previous_pids_.empty()) env["ZEAL_PREVIOUS_ATTEMPT_PIDS"] = previous_pids_;
       // The ranks' output reaches a terminal through this process: a progress bar may redraw.
       if (terminal_) env["ZEAL_TERMINAL"] = "1";
       env["PYTHONUNBUFFERED"] = "1";
@@ -319,7 +332,8 @@ class Group {
     const bool redrawn = line.find('\r') != std::string::npos;
     if (redrawn) line = after_redraw(line);
     r.tail.push_back(line);
-    if (&s == &r.err) r.last_error_line = line;
+    // The head line of the last message on stderr (continuation lines are indented).
+    if (&s == &r.err && !line.empty() && line[0] != ' ' && line[0] != '\t') r.last_error_line = line;
     if (static_cast<int>(r.tail.size()) > o_.tail_lines) r.tail.pop_front();
     if (o_.quiet_ranks && r.global != 0) return;
     // A line under a progress bar: the bar is cleared, the line written, the bar drawn again
@@ -395,7 +409,10 @@ class Group {
           early_exit_rank_ = r.global;
           early_exit_at_ = Clock::now();
         }
-        if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) r.oom = oom_.explain(r.pid, r.last_rss, peak_of(r));
+        // A SIGKILL this launcher did not send (it sends them only while stopping): the OOM killer's?
+        if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL && !stopping_) {
+          r.oom = oom_.explain(r.pid, r.last_rss, peak_of(r));
+        }
         if (failed(status) && !stopping_ && first_failure_ < 0) {
           first_failure_ = r.local;
           const int others = static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), [](const Rank& x) { return x.running; }));
@@ -559,6 +576,7 @@ class Group {
 
   const LaunchOptions& o_;
   const int restart_;
+  const std::string previous_pids_;
   OomWatch oom_;
   Clock::time_point next_sample_{};
   std::vector<Rank> ranks_;
@@ -650,10 +668,11 @@ int launch(const LaunchOptions& o) {
         "scheduler's requeue) with --resume auto in the program");
   }
   if (o.max_restarts < 0) throw Error(fmt::format("--max_restarts must be at least 0, got {}", o.max_restarts));
-  std::string previous;
+  std::string previous, previous_pids;
   for (int attempt = 0;; ++attempt) {
-    Group group(o, attempt);
+    Group group(o, attempt, previous_pids);
     const int code = group.run();
+    previous_pids = group.pids();
     if (code == 0 || group.interrupted() || !group.rank_failed()) return code;
     if (attempt >= o.max_restarts) {
       if (o.max_restarts > 0) {
@@ -666,7 +685,7 @@ int launch(const LaunchOptions& o) {
     if (!signature.empty() && signature == previous) {
       std::fprintf(stderr,
                    "zeal launch: giving up after %d restart%s: the attempt failed as the one before it did (%s, with the "
-                   "same last error line), so restarting will not change that\n",
+                   "same error message), so restarting will not change that\n",
                    attempt, attempt == 1 ? "" : "s", group.failure_summary().c_str());
       return code;
     }

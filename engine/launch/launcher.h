@@ -23,9 +23,11 @@ struct LaunchOptions {
   double grace_seconds = 5.0;               // SIGTERM → SIGKILL delay when stopping ranks
   int tail_lines = 20;                      // lines of a failed rank's output repeated at the end
   // Restarts of the whole group after a rank fails (torchrun's --max_restarts): each attempt's
-  // ranks see TORCHELASTIC_RESTART_COUNT / ZEAL_RESTART_COUNT. A program's failure that repeats the
-  // previous one exactly (the same exit status and last line on stderr) ends the launch at once: a
-  // bad config or a missing file does not change by restarting. Ranks ended by a signal are retried.
+  // ranks see TORCHELASTIC_RESTART_COUNT / ZEAL_RESTART_COUNT (and ZEAL_PREVIOUS_ATTEMPT_PIDS: the
+  // ranks before, whose offload swap files are removed). A program's failure that repeats the
+  // previous one exactly (the same exit status and the same head line of its last message on
+  // stderr, rank numbers aside) ends the launch at once: a bad config or a missing file does not
+  // change by restarting. Ranks ended by a signal are retried.
   int max_restarts = 0;
 };
 

@@ -753,12 +753,13 @@ int64_t PeftModel::save_merged(const std::string& dir, Engine* engine) const {
   std::unique_ptr<ckpt::SafetensorsWriter> w;
   const fs::path file = fs::path(dir) / "model.safetensors";
   // Written complete into a hidden folder, then moved in replacing any earlier export as a set.
-  const fs::path staging = fs::path(dir) / ".zeal-export.partial", tmp = staging / "model.safetensors";
+  fs::path staging, tmp;
   int64_t bytes = 0;
   if (main) {
     try {
       fs::create_directories(dir);
-      fs::remove_all(staging);
+      staging = ckpt::export_staging(dir);
+      tmp = staging / "model.safetensors";
       fs::create_directories(staging);
       std::vector<ckpt::TensorEntry> entries;
       for (const auto& it : items) {
@@ -803,7 +804,7 @@ int64_t PeftModel::save_merged(const std::string& dir, Engine* engine) const {
       error = e.what();
     }
   }
-  if (main) {
+  if (main && !staging.empty()) {
     w.reset();
     std::error_code ec;
     fs::remove_all(staging, ec);

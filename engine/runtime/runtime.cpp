@@ -51,8 +51,8 @@ std::string g_settings;
 // Keys that may differ between machines: where things are on each machine (its rank, paths, GPUs,
 // the disk's I/O tuning, how machine 0 is named from here) and what is only printed.
 bool machine_specific(const std::string& key) {
-  static const std::set<std::string> keys = {"machine_rank", "main_process_ip", "gpu_ids", "memory_check",
-                                             "steps_per_print", "wall_clock_breakdown"};
+  static const std::set<std::string> keys = {"machine_rank", "main_process_ip", "gpu_ids", "steps_per_print",
+                                             "wall_clock_breakdown"};
   return keys.count(key) || key.rfind("aio.", 0) == 0 ||
          (key.size() > 10 && key.compare(key.size() - 10, 10, ".nvme_path") == 0);
 }
@@ -148,8 +148,9 @@ void check_in_unguarded(const c10::intrusive_ptr<c10d::Store>& store, const Dist
         e.world_size, missing.size() == 1 ? "" : "s", list, e.world_size));
   }
   // Every rank must agree on the world size.
+  std::vector<std::string> posted(e.world_size);
   for (int r = 0; r < e.world_size; ++r) {
-    const std::string v =
+    const std::string& v = posted[r] =
         detail::bounded<std::string>([store, key = keys[r]] { return text(store->get(key)); }, call, "rendezvous:");
     const int their_world = std::atoi(v.c_str());
     if (their_world != e.world_size) {
@@ -158,15 +159,21 @@ void check_in_unguarded(const c10::intrusive_ptr<c10d::Store>& store, const Dist
                               e.rank, e.world_size, r, their_world, v.substr(v.find(' ') + 1)));
     }
   }
-  // Which machine each rank is on, for reports of ranks that stop answering.
+  // Which machine each rank is on, for reports of ranks that stop answering: the launcher's node
+  // rank, or under Open MPI (whose node rank counts ranks within a machine) the host's order.
   {
     std::vector<int> nodes(e.world_size, -1);
     std::vector<std::string> hosts(e.world_size);
+    std::vector<std::string> seen;
     for (int r = 0; r < e.world_size; ++r) {
-      std::istringstream in(
-          detail::bounded<std::string>([store, key = keys[r]] { return text(store->get(key)); }, call, "rendezvous:"));
+      std::istringstream in(posted[r]);
       int world = 0, local = 0, pid = 0;
       in >> world >> local >> hosts[r] >> pid >> nodes[r];
+      if (e.source == "Open MPI") {
+        auto it = std::find(seen.begin(), seen.end(), hosts[r]);
+        nodes[r] = static_cast<int>(it - seen.begin());
+        if (it == seen.end()) seen.push_back(hosts[r]);
+      }
     }
     detail::note_rank_machines(nodes, hosts);
   }
@@ -221,6 +228,11 @@ void check_in_unguarded(const c10::intrusive_ptr<c10d::Store>& store, const Dist
   }
   std::string list;
   for (int r : differ) list += (list.empty() ? "" : ", ") + std::to_string(r);
+  if (key == "a setting") {
+    throw Error(fmt::format("rank {}'s settings differ from rank 0's (ranks {}): every rank must run the same zeal "
+                            "build with the same config",
+                            other, list));
+  }
   std::string more;
   for (const auto& k : also) more += (more.empty() ? "; also " : ", ") + k;
   throw Error(fmt::format(

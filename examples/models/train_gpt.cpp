@@ -214,7 +214,8 @@ int main(int argc, char** argv) {
 
     std::ofstream jsonl;
     if (!log_jsonl.empty() && engine.is_main_process()) {
-      jsonl.open(log_jsonl);
+      // A resumed run (--resume, a restart) continues the log instead of losing the earlier steps.
+      jsonl.open(log_jsonl, std::ios::out | (resume.empty() ? std::ios::trunc : std::ios::app));
       if (!jsonl) throw zeal::Error(fmt::format("--log_jsonl: cannot write {}", log_jsonl));
     }
     const int64_t per_step = micro_batch * world * accum;

@@ -14,6 +14,9 @@
 # usage: machines.sh ZEAL TRAIN_GPT [PORT]
 set -uo pipefail
 zeal=$(realpath "$1") train_gpt=$(realpath "$2") port=${3:-29591}
+for tool in bc python3 ldd readelf; do
+  command -v $tool >/dev/null || { echo "skipped: needs $tool"; exit 77; }
+done
 here=$(dirname "$0")
 # shellcheck source=netns.sh
 source "$here/netns.sh"
@@ -118,7 +121,9 @@ refused() {  # name, port, what both must say, then machine 1's command prefix (
 refused "another config" $((port + 4)) "rank 2 was started with gradient_clipping 0.5 but rank 0 with 1.0" \
   "$zeal" launch "${common[@]}" --gradient_clipping 0.5
 
-# Another build: the same library with another source id, found first through LD_LIBRARY_PATH.
+# Another build: the same library with another source id, found first through LD_LIBRARY_PATH
+# (which a RUNPATH lets win; an old-style RPATH would not).
+if readelf -d "$train_gpt" | grep -q "(RPATH)"; then echo "skipped the other-build case: the programs use RPATH"; exit 0; fi
 lib=$(ldd "$train_gpt" | awk '/libzeal\.so/ {print $3}')
 mkdir -p "$work/otherlib"
 python3 - "$lib" "$work/otherlib/$(basename "$lib")" <<'EOF'

@@ -15,11 +15,17 @@ cg=""
 if [ -d /sys/fs/cgroup/memory ] && mkdir "/sys/fs/cgroup/memory/zeal_oom_$$" 2>/dev/null; then
   cg=/sys/fs/cgroup/memory/zeal_oom_$$
   echo "$limit" >"$cg/memory.limit_in_bytes" || { rmdir "$cg"; echo "skipped: cannot limit the cgroup"; exit 77; }
-  [ -e "$cg/memory.memsw.limit_in_bytes" ] && echo "$limit" >"$cg/memory.memsw.limit_in_bytes" 2>/dev/null
+  if ! { [ -e "$cg/memory.memsw.limit_in_bytes" ] && echo "$limit" >"$cg/memory.memsw.limit_in_bytes" 2>/dev/null; } &&
+     [ "$(awk '/^SwapTotal:/ {print $2}' /proc/meminfo)" != 0 ]; then
+    rmdir "$cg"; echo "skipped: the machine has swap and the cgroup cannot limit it"; exit 77
+  fi
 elif [ -e /sys/fs/cgroup/cgroup.controllers ] && mkdir "/sys/fs/cgroup/zeal_oom_$$" 2>/dev/null; then
   cg=/sys/fs/cgroup/zeal_oom_$$
   echo "$limit" >"$cg/memory.max" || { rmdir "$cg"; echo "skipped: no memory controller in this cgroup"; exit 77; }
-  [ -e "$cg/memory.swap.max" ] && echo 0 >"$cg/memory.swap.max"
+  if ! { [ -e "$cg/memory.swap.max" ] && echo 0 >"$cg/memory.swap.max"; } &&
+     [ "$(awk '/^SwapTotal:/ {print $2}' /proc/meminfo)" != 0 ]; then
+    rmdir "$cg"; echo "skipped: the machine has swap and the cgroup cannot limit it"; exit 77
+  fi
 else
   echo "skipped: cannot create a memory cgroup here"
   exit 77
@@ -40,7 +46,8 @@ in_cgroup() {  # in_cgroup CMD...: runs CMD inside the limited cgroup
 run=("$train_gpt" --model gpt2-small --steps 3 --seq_len 64 --micro_batch 1)
 
 start=$(date +%s)
-in_cgroup "$zeal" launch --num_processes 1 --config_file configs/single_process.yaml --memory_check error "${run[@]}" \
+in_cgroup "$zeal" launch --num_processes 1 --config_file configs/single_process.yaml --main_process_port 29568 \
+  --memory_check error "${run[@]}" \
   >"$work/strict.log" 2>&1
 status=$?
 took=$(($(date +%s) - start))
@@ -52,7 +59,8 @@ grep -q "out-of-memory killer" "$work/strict.log" && fail "memory_check error: t
 [ "$took" -lt 60 ] || fail "memory_check error took $took s"
 echo "PASS: memory_check error refuses in $took s"
 
-in_cgroup "$zeal" launch --num_processes 1 --config_file configs/single_process.yaml "${run[@]}" >"$work/warn.log" 2>&1
+in_cgroup "$zeal" launch --num_processes 1 --config_file configs/single_process.yaml --main_process_port 29569 \
+  "${run[@]}" >"$work/warn.log" 2>&1
 status=$?
 [ $status = 137 ] || fail "under the limit: expected the OOM killer's 137, got $status"
 grep -q "zeal: warning: every rank may run out of memory: rank 0 is predicted to hold" "$work/warn.log" ||

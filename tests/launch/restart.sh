@@ -31,13 +31,20 @@ echo "killing a rank after the checkpoints of steps $k1 and $k2"
 "${launch[@]}" --main_process_port "$((port + 1))" --max_restarts 3 "$train_gpt" "${run[@]}" --save_dir "$work/killed" \
   --resume auto >"$work/killed.log" 2>&1 &
 launcher=$!
+kills=0
 for k in $k1 $k2; do
+  # The second kill waits for the restarted attempt to be running.
+  for ((i = 0; i < 1200 && kills > 0; i++)); do
+    [ "$(grep -c "restarting every rank" "$work/killed.log")" -ge $kills ] && [ -n "$(pgrep -P "$launcher")" ] && break
+    sleep 0.05
+  done
   for ((i = 0; i < 1200; i++)); do [ -e "$work/killed/step_$k" ] && break; sleep 0.05; done
   [ -e "$work/killed/step_$k" ] || fail "the run never saved step $k"
   victims=($(pgrep -P "$launcher"))
   [ ${#victims[@]} -gt 0 ] || fail "no rank runs after step $k"
   victim=${victims[$((RANDOM % ${#victims[@]}))]}
   kill -KILL "$victim"
+  kills=$((kills + 1))
   echo "killed pid $victim after step $k"
 done
 wait "$launcher"
@@ -66,3 +73,25 @@ grep -q "giving up after 1 restart: the attempt failed as the one before it did"
 [ "$(grep -c "restarting every rank" "$work/bad.log")" = 1 ] || fail "a repeating failure was restarted more than once"
 [ "$took" -lt 60 ] || fail "giving up took $took s"
 echo "PASS: a repeating failure ends after one restart in $took s"
+
+# With offload to NVMe the killed attempt's swap files stay on disk (nothing ran its cleanup): the
+# restarted attempt removes them before it checks the free space, and the finished run leaves none.
+mkdir -p "$work/nvme"
+"${launch[@]/configs\/zero3.yaml/configs/ds_zero3_nvme.yaml}" --main_process_port "$((port + 3))" --max_restarts 2 \
+  --offload_optimizer_nvme_path "$work/nvme" --offload_param_nvme_path "$work/nvme" "$train_gpt" --model tiny --steps 10 \
+  --seq_len 32 --micro_batch 2 --data README.md --save_every 1 --save_dir "$work/nvme_ckpt" --resume auto \
+  >"$work/nvme.log" 2>&1 &
+launcher=$!
+for ((i = 0; i < 1200; i++)); do [ -e "$work/nvme_ckpt/step_3" ] && break; sleep 0.05; done
+[ -e "$work/nvme_ckpt/step_3" ] || fail "the NVMe run never saved step 3"
+victim=$(pgrep -P "$launcher" | head -1)
+[ -n "$victim" ] || fail "no rank of the NVMe run"
+kill -KILL "$victim"
+wait "$launcher"
+status=$?
+launcher=""
+[ $status = 0 ] || fail "the restarted NVMe run ended with status $status"
+grep -q "removed $work/nvme/zeal-[0-9-]* (.*), the swap files of the attempt before this one" "$work/nvme.log" ||
+  fail "the restarted attempt did not remove the killed attempt's swap files"
+[ -z "$(ls -A "$work/nvme")" ] || fail "swap files left behind: $(ls -A "$work/nvme")"
+echo "PASS: the killed attempt's swap files were removed by the restart; none left at the end"
