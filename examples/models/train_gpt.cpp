@@ -161,7 +161,8 @@ int main(int argc, char** argv) {
                              cfg.name);
     return 2;
   }
-  if (resume == "auto") {
+  const bool resume_auto = resume == "auto";
+  if (resume_auto) {
     if (save_dir.empty()) {
       std::cerr << "train_gpt: --resume auto continues from --save_dir's latest checkpoint: give --save_dir too\n";
       return 2;
@@ -214,8 +215,9 @@ int main(int argc, char** argv) {
 
     std::ofstream jsonl;
     if (!log_jsonl.empty() && engine.is_main_process()) {
-      // A resumed run (--resume, a restart) continues the log instead of losing the earlier steps.
-      jsonl.open(log_jsonl, std::ios::out | (resume.empty() ? std::ios::trunc : std::ios::app));
+      // --resume auto (a restart, or a job run again) continues the log instead of losing the steps
+      // of the attempts before; a run started or resumed by hand starts it afresh.
+      jsonl.open(log_jsonl, std::ios::out | (resume_auto ? std::ios::app : std::ios::trunc));
       if (!jsonl) throw zeal::Error(fmt::format("--log_jsonl: cannot write {}", log_jsonl));
     }
     const int64_t per_step = micro_batch * world * accum;
