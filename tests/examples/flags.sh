@@ -160,22 +160,21 @@ check_run "--save_dir: cannot create the folder /dev/null/ck/x" --steps 100000 -
 check_run "--save_dir: cannot create the folder /proc/zeal_ckpt" --steps 100000 --seq_len 16 --micro_batch 2 --save_dir /proc/zeal_ckpt
 check_run "--log_jsonl: cannot create the folder /proc/zeal_logs" --steps 100000 --seq_len 16 --micro_batch 2 --log_jsonl /proc/zeal_logs/train.jsonl
 check_run "--log_jsonl: $dir is a folder, not a file" --steps 100000 --seq_len 16 --micro_batch 2 --log_jsonl "$dir"
-err=$(timeout 60 "$finetune_lora" --out /proc/zeal_lora_out 2>&1 >/dev/null)
-rc=$?
-if [ "$rc" -ne 1 ] || ! grep -qF -- "--out: cannot create the folder /proc/zeal_lora_out" <<<"$err"; then
-  echo "FAIL: finetune_lora --out /proc/zeal_lora_out: exit $rc, said: $err" >&2
-  fail=1
-else
-  echo "ok: finetune_lora --out /proc/zeal_lora_out -> 1: $err"
-fi
-err=$(timeout 60 "$zeal" estimate-memory --model tiny --json /proc/zeal_est/est.json 2>&1 >/dev/null)
-rc=$?
-if [ "$rc" -eq 0 ] || ! grep -qF -- "--json: cannot create the folder /proc/zeal_est" <<<"$err"; then
-  echo "FAIL: estimate-memory --json /proc/zeal_est/est.json: exit $rc, said: $err" >&2
-  fail=1
-else
-  echo "ok: estimate-memory --json /proc/zeal_est/est.json -> $rc: $err"
-fi
+check_fails() {  # exit code wanted, what to find, program, arguments...
+  local want_rc=$1 want=$2 prog=$3
+  shift 3
+  local err rc
+  err=$(timeout 60 "$prog" "$@" 2>&1 >/dev/null)
+  rc=$?
+  if [ "$rc" -ne "$want_rc" ] || ! grep -qF -- "$want" <<<"$err"; then
+    echo "FAIL: $(basename "$prog") $*: exit $rc (want $want_rc), said: $err" >&2
+    fail=1
+  else
+    echo "ok: $(basename "$prog") $* -> $rc: $err"
+  fi
+}
+check_fails 1 "--out: cannot create the folder /proc/zeal_lora_out" "$finetune_lora" --out /proc/zeal_lora_out
+check_fails 2 "--json: cannot create the folder /proc/zeal_est" "$zeal" estimate-memory --model tiny --json /proc/zeal_est/est.json
 # An allocation no machine has: LibTorch's enforce failure, in one line.
 check_run "you tried to allocate" --steps 1 --seq_len 128 --micro_batch 1048576
 rm -rf "$dir"
