@@ -228,6 +228,20 @@ void check_in_unguarded(const c10::intrusive_ptr<c10d::Store>& store, const Dist
   }
   std::string list;
   for (int r : differ) list += (list.empty() ? "" : ", ") + std::to_string(r);
+  // Every rank has read what it needs: rank 0, whose process holds the store, leaves only after
+  // each has said so (or a short while), so that no rank loses the store before it can report.
+  detail::run_bounded([store, key = fmt::format("zeal/rdzv/refused/{}", e.rank)] { store->set(key, bytes("1")); }, call,
+                      "rendezvous:");
+  if (e.rank == 0) {
+    std::vector<std::string> refused;
+    for (int r = 0; r < e.world_size; ++r) refused.push_back(fmt::format("zeal/rdzv/refused/{}", r));
+    const auto wait = std::min(timeout, std::chrono::milliseconds(30000));
+    try {
+      detail::run_bounded([store, refused, wait] { store->wait(refused, wait); }, wait + call, "rendezvous:");
+    } catch (const std::exception&) {
+      // A rank that never says so is gone already; the refusal below stands.
+    }
+  }
   if (key == "a setting") {
     throw Error(fmt::format("rank {}'s settings differ from rank 0's (ranks {}): every rank must run the same zeal "
                             "build with the same config",
