@@ -64,11 +64,7 @@ void Engine::open_trackers(const std::string& project_name, const std::map<std::
     std::fprintf(stderr, "zeal: log_with %s: zeal has no %s tracker; nothing is sent there (tensorboard, csv and jsonl "
                  "are built in)\n", n.c_str(), n.c_str());
   }
-  if (chosen.empty()) {
-    std::fprintf(stderr, "zeal: init_trackers(\"%s\"): no tracker chosen (log_with, tensorboard.enabled, "
-                 "csv_monitor.enabled): engine.log writes nothing\n", project_name.c_str());
-    return;
-  }
+  if (chosen.empty()) return;  // as Accelerate: no tracker chosen, nothing logged, nothing said
   std::map<std::string, std::string> recorded = config;
   recorded.emplace("zeal.project", project_name);
   recorded.emplace("zeal.world_size", std::to_string(num_processes()));

@@ -291,6 +291,40 @@ std::vector<Monitor::Peer> Monitor::read_peers() {
   return peers;
 }
 
+// Machines none of whose ranks answers: lost, cut off, or their launcher stopped. When the store
+// itself is silent nothing is known of the others; the store's machine is named instead.
+std::vector<std::string> Monitor::silent_machines(const std::vector<Peer>& peers, bool* lost) const {
+  std::vector<std::string> machines;
+  bool machine_lost = false;
+  {
+    auto& rm = rank_machines();
+    std::lock_guard<std::mutex> lock(rm.mu);
+    if (static_cast<int>(rm.node.size()) == world_ && rm.node[rank_] >= 0) {
+      std::map<int, std::vector<int>> by_node;
+      for (int r = 0; r < world_; ++r) by_node[rm.node[r]].push_back(r);
+      for (const auto& [node, ranks] : by_node) {
+        if (node == rm.node[rank_]) continue;
+        const std::string label = fmt::format("machine {} (host {}, rank{} {})", node, rm.host[ranks.front()],
+                                              ranks.size() == 1 ? "" : "s", rank_list(ranks));
+        if (store_silent_) {
+          if (std::find(ranks.begin(), ranks.end(), 0) != ranks.end()) {
+            machines.push_back(fmt::format("the store is on {}: if that machine or the network to it is down, none "
+                                           "of its ranks can be reached either", label));
+          }
+          continue;
+        }
+        const bool silent = std::all_of(ranks.begin(), ranks.end(), [&](int r) { return !peers[r].known || !peers[r].alive; });
+        if (!silent) continue;
+        machine_lost = true;
+        machines.push_back(fmt::format("{} does not answer: none of its ranks responds (the machine, the network to "
+                                       "it or its launcher is down)", label));
+      }
+    }
+  }
+  if (lost) *lost = machine_lost;
+  return machines;
+}
+
 void Monitor::fail(const OpInfo& op, const std::string& cause) {
   const std::vector<Peer> peers = read_peers();
   std::vector<int> missing;
@@ -322,35 +356,8 @@ void Monitor::fail(const OpInfo& op, const std::string& cause) {
       where.push_back(fmt::format("rank {} reached it{}", r, life));
     }
   }
-  // Machines none of whose ranks answers: lost, cut off, or their launcher stopped. When the store
-  // itself is silent nothing is known of the others; the store's machine is named instead.
-  std::vector<std::string> machines;
   bool machine_lost = false;
-  {
-    auto& rm = rank_machines();
-    std::lock_guard<std::mutex> lock(rm.mu);
-    if (static_cast<int>(rm.node.size()) == world_ && rm.node[rank_] >= 0) {
-      std::map<int, std::vector<int>> by_node;
-      for (int r = 0; r < world_; ++r) by_node[rm.node[r]].push_back(r);
-      for (const auto& [node, ranks] : by_node) {
-        if (node == rm.node[rank_]) continue;
-        const std::string label = fmt::format("machine {} (host {}, rank{} {})", node, rm.host[ranks.front()],
-                                              ranks.size() == 1 ? "" : "s", rank_list(ranks));
-        if (store_silent_) {
-          if (std::find(ranks.begin(), ranks.end(), 0) != ranks.end()) {
-            machines.push_back(fmt::format("the store is on {}: if that machine or the network to it is down, none "
-                                           "of its ranks can be reached either", label));
-          }
-          continue;
-        }
-        const bool silent = std::all_of(ranks.begin(), ranks.end(), [&](int r) { return !peers[r].known || !peers[r].alive; });
-        if (!silent) continue;
-        machine_lost = true;
-        machines.push_back(fmt::format("{} does not answer: none of its ranks responds (the machine, the network to "
-                                       "it or its launcher is down)", label));
-      }
-    }
-  }
+  const std::vector<std::string> machines = silent_machines(peers, &machine_lost);
   std::string msg = fmt::format("rank {}: {} failed: {}", rank_, op.describe(), cause);
   for (const auto& m : machines) msg += "\n  " + m;
   if (!missing.empty()) {
@@ -413,7 +420,11 @@ void Monitor::check_agreement(const std::string& where) {
                                    p.alive ? "" : " and is not responding (exited, crashed or stopped?)")
                      : fmt::format("\n  rank {} did not arrive (its progress is unknown)", r);
     }
-    msg += "\n  Every rank must run the same engine calls in the same order (see docs/concepts.md, \"Collective calls\").";
+    bool machine_lost = false;
+    for (const auto& m : silent_machines(peers, &machine_lost)) msg += "\n  " + m;
+    if (!machine_lost) {
+      msg += "\n  Every rank must run the same engine calls in the same order (see docs/concepts.md, \"Collective calls\").";
+    }
     throw CommError(msg, "agreement(" + where + ")", seq_.load(), missing);
   }
   std::vector<std::string> lines;

@@ -70,6 +70,8 @@ class Monitor {
     std::string what;  // its describe()
   };
   std::vector<Peer> read_peers();
+  // One line per other machine none of whose ranks answers (see note_rank_machines); *lost: any.
+  std::vector<std::string> silent_machines(const std::vector<Peer>& peers, bool* lost) const;
   bool store_silent_ = false;  // a store call of the reports went unanswered: do not wait on it again
 
   c10::intrusive_ptr<c10d::Store> store_;
