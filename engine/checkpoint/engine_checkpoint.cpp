@@ -139,6 +139,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
   meta["zero_stage"] = state_->zero->stage();
   meta["compute_dtype"] = c10::toString(compute_dtype_);
   meta["optimizer_steps"] = optimizer_steps_;
+  meta["skipped_steps"] = skipped_steps_;  // steps an overflow skipped: steps_per_print counts both
   meta["export_names"] = export_names(*state_->module);
   json scheds = json::array();
   for (const auto& s : state_->schedulers) scheds.push_back({{"seen_steps", s.seen_steps}});
@@ -534,6 +535,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
                  saved_world, c.world_size());
   }
   optimizer_steps_ = m["optimizer_steps"].get<int64_t>();
+  skipped_steps_ = m.value("skipped_steps", int64_t{0});  // absent before this field existed
   micro_steps_ = 0;
   if (state_->scaler && m.contains("loss_scaler")) {
     const auto& s = m["loss_scaler"];

@@ -130,4 +130,17 @@ if out=$("$train_gpt" --stage3_max_live 5 2>&1); then
   echo "FAIL: an unknown flag was accepted" >&2; exit 1
 fi
 printf '%s\n' "$out" | grep -q -- "unknown flag --stage3_max_live" || { echo "FAIL: unexpected error: $out" >&2; exit 1; }
+# fp16 with a loss scale of 2^30: the first steps overflow and are skipped. Resumed after step 3, the
+# progress lines go on counting the steps taken and skipped as the uninterrupted run did.
+fp16=$(mktemp -d)
+printf 'steps_per_print: 1\nfp16:\n  initial_scale_power: 30\n' > "$fp16/c.yaml"
+"$train_gpt" --config_file "$fp16/c.yaml" --mixed_precision fp16 --model tiny --steps 6 --seq_len 16 --micro_batch 2 \
+  --data README.md --save_dir "$fp16/ck" --save_every 3 > "$fp16/whole" 2>&1
+"$train_gpt" --config_file "$fp16/c.yaml" --mixed_precision fp16 --model tiny --steps 6 --seq_len 16 --micro_batch 2 \
+  --data README.md --resume "$fp16/ck/step_3" > "$fp16/resumed" 2>&1
+whole=$(grep -o 'step=[0-9]*, skipped=[0-9]*' "$fp16/whole" | tail -n 3)
+resumed=$(grep -o 'step=[0-9]*, skipped=[0-9]*' "$fp16/resumed")
+rm -rf "$fp16"
+grep -q "skipped=[1-9]" <<<"$whole" || { echo "FAIL: no step was skipped to count: $whole" >&2; exit 1; }
+[ "$whole" = "$resumed" ] || { echo "FAIL: resumed, the step counts differ: '$whole' vs '$resumed'" >&2; exit 1; }
 echo "PASS: loss $first -> $last"
