@@ -17,16 +17,12 @@ namespace zeal {
 
 namespace fs = std::filesystem;
 
-namespace {
-
-void fsync_fd_path(const fs::path& p, int flags) {
-  const int fd = ::open(p.c_str(), flags | O_CLOEXEC);
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return;
   ::fsync(fd);
   ::close(fd);
 }
-
-}  // namespace
 
 void check_output_dir(const std::string& dir, const std::string& what) {
   if (dir.empty()) throw Error(fmt::format("{}: an empty path", what));
@@ -137,7 +133,7 @@ void write_file_whole(const std::string& path, const std::string& text, const st
   }
   ::close(fd);
   if (::rename(tmp.c_str(), p.c_str()) != 0) fail("renaming into place", errno);
-  fsync_fd_path(parent, O_RDONLY | O_DIRECTORY);
+  fsync_path(parent.string());
 }
 
 }  // namespace zeal

@@ -19,6 +19,10 @@ void check_output_dir(const std::string& dir, const std::string& what);
 // that exists, /dev/stdout, passes as it is).
 void check_output_file(const std::string& file, const std::string& what);
 
+// Flushes a file or a folder (its entries: a rename into it) to the disk; quietly nothing when it
+// cannot be opened.
+void fsync_path(const std::string& path);
+
 // Writes `text` to `path` under a temporary name in the same folder, flushes it to the disk and
 // renames it into place: a reader sees the previous file or the whole new one, never a part. The
 // temporary file is removed when anything fails (zeal::Error naming `what` and the path). A

@@ -10,18 +10,12 @@
 
 #include "engine/checkpoint/fault_hooks.h"
 #include "engine/error.h"
+#include "engine/output.h"
 
 namespace zeal::ckpt {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-void fsync_path(const fs::path& p) {
-  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
-}
 
 void write_file_synced(const fs::path& p, const std::string& text) {
   {
@@ -29,14 +23,10 @@ void write_file_synced(const fs::path& p, const std::string& text) {
     f << text;
     if (!f.flush()) throw Error(fmt::format("checkpoint: cannot write {}", p.string()));
   }
-  fsync_path(p);
+  fsync_path(p.string());
 }
 
-void publish_file(const fs::path& p, const std::string& text) {
-  const fs::path t = p.string() + ".tmp";
-  write_file_synced(t, text);
-  fs::rename(t, p);
-}
+void publish_file(const fs::path& p, const std::string& text) { write_file_whole(p.string(), text, "checkpoint"); }
 
 bool is_checkpoint_name(const std::string& n) {
   return n.rfind("checkpoint_", 0) == 0 && n.size() > 11 && n.find_first_not_of("0123456789", 11) == std::string::npos;
@@ -70,7 +60,7 @@ std::vector<fs::path> complete_checkpoint(const fs::path& dir, const fs::path& t
   m["custom_objects"] = custom.size();
   for (size_t k = 0; k < custom.size(); ++k) write_file_synced(tmp / fmt::format("custom_{}.bin", k), custom[k]);
   write_file_synced(tmp / "manifest.json", m.dump(1));
-  fsync_path(tmp);
+  fsync_path(tmp.string());
   // The new checkpoint takes the name only now, complete; an old one there goes after.
   std::vector<fs::path> doomed;
   const fs::path old = parent / ("." + dir.filename().string() + ".old");
@@ -80,13 +70,13 @@ std::vector<fs::path> complete_checkpoint(const fs::path& dir, const fs::path& t
     doomed.push_back(old);
   }
   fs::rename(tmp, dir);
-  fsync_path(parent);
+  fsync_path(parent.string());
   maybe_die("latest", 0);
   // A name of this process's own: two runs saving into one parent never take each other's file.
   const fs::path pointer = parent / fmt::format(".latest.{}.partial", ::getpid());
   write_file_synced(pointer, dir.filename().string() + "\n");
   fs::rename(pointer, parent / "latest");
-  fsync_path(parent);
+  fsync_path(parent.string());
   if (automatic && total_limit > 0) {
     std::vector<std::pair<int64_t, fs::path>> found;
     for (const auto& e : fs::directory_iterator(parent)) {
@@ -100,7 +90,7 @@ std::vector<fs::path> complete_checkpoint(const fs::path& dir, const fs::path& t
       fs::rename(found[i].second, hidden);
       doomed.push_back(hidden);
     }
-    fsync_path(parent);
+    fsync_path(parent.string());
   }
   return doomed;
 }

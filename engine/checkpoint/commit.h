@@ -13,10 +13,9 @@
 
 namespace zeal::ckpt {
 
-void fsync_path(const std::filesystem::path& p);
 // `text` into `p`, flushed and fsynced; zeal::Error when it cannot be written.
 void write_file_synced(const std::filesystem::path& p, const std::string& text);
-// Writes `text` to `p` atomically (a temporary name, fsync, rename).
+// Writes `text` to `p` atomically (zeal::write_file_whole).
 void publish_file(const std::filesystem::path& p, const std::string& text);
 // checkpoint_<digits>: the automatic names.
 bool is_checkpoint_name(const std::string& n);

@@ -26,14 +26,6 @@ namespace zeal::ckpt {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-namespace {
-void fsync_dir(const fs::path& d) {
-  const int fd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
-}
-}  // namespace
 
 namespace {
 
@@ -160,7 +152,7 @@ void publish_export(const fs::path& out_dir, const fs::path& staging, const std:
     fs::rename(staging / "model.safetensors.index.json", out_dir / "model.safetensors.index.json");
   }
   for (const auto& p : old) fs::remove(p, ec);
-  fsync_dir(out_dir);
+  fsync_path(out_dir.string());
 }
 
 ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& out_dir, const ConsolidateOptions& o,
