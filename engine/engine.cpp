@@ -731,6 +731,14 @@ double Engine::inv_scale() const { return state_->scaler ? 1.0 / state_->scaler-
 
 double Engine::loss_scale() const { return state_->scaler ? state_->scaler->scale() : 1.0; }
 
+void Engine::configure(const std::vector<Config::Setting>& settings) {
+  if (state_->zero) throw Error("engine.configure: the model is prepared already; set the config before prepare");
+  config_.set_all(settings);
+  accumulation_steps_ = config_.gradient_accumulation_steps.is_auto ? 1 : config_.gradient_accumulation_steps.value;
+}
+
+void Engine::keep_alive(std::shared_ptr<void> object) { state_->kept.push_back(std::move(object)); }
+
 std::vector<double> Engine::get_lr() const {
   if (!state_->zero) throw Error("engine.get_lr: prepare the model and an optimizer first");
   return learning_rates();
@@ -745,6 +753,11 @@ std::vector<double> Engine::learning_rates() const {
   if (prepared) {
     // PyTorch's and Hugging Face's rule: a schedule scales each group's own rate. The program's
     // schedule gives group 0's rate; every other group keeps its ratio to group 0's base rate.
+    if (const auto f = prepared->factor(optimizer_steps_)) {
+      std::vector<double> out;
+      for (size_t g = 0; g < n; ++g) out.push_back(state_->base_lrs.at(g) * *f);
+      return out;
+    }
     const double lr = prepared->lr_at(optimizer_steps_), base0 = state_->base_lrs.at(0);
     std::vector<double> out(n, lr);
     for (size_t g = 1; g < n && base0 > 0; ++g) out[g] = lr * state_->base_lrs.at(g) / base0;

@@ -413,6 +413,12 @@ class Engine {
     return model;
   }
   const Config& config() const { return config_; }
+  // Before the model is prepared: sets config keys from what the program decided (zeal::Trainer's
+  // arguments fill gradient_accumulation_steps, gradient_clipping, …), as Config::set_all with the
+  // program as their origin. Every rank must pass the same. zeal::Error once the model is prepared.
+  void configure(const std::vector<Config::Setting>& settings);
+  // Keeps `object` (an optimizer or schedule a helper made and prepared) alive as long as the engine.
+  void keep_alive(std::shared_ptr<void> object);
   Runtime& runtime() { return *runtime_; }
 
   // Bytes this rank holds for the model states, by kind.

@@ -28,6 +28,8 @@ namespace zeal {
 void remember_prepared(const torch::nn::Module* module, Engine* engine);
 
 struct Engine::State {
+  // Objects a helper prepared and handed over (engine.keep_alive): first, so they go last.
+  std::vector<std::shared_ptr<void>> kept;
   std::shared_ptr<torch::nn::Module> module;
   torch::optim::Optimizer* torch_optimizer = nullptr;
   std::unique_ptr<zero::Sharding> zero;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -12,6 +13,41 @@ namespace zeal::optim {
 
 namespace {
 constexpr double kPi = 3.14159265358979323846;
+}
+
+HfSchedule::HfSchedule(std::string type, double base_lr, int64_t warmup_steps, int64_t total_steps, double lr_end,
+                       double power)
+    : type_(std::move(type)), base_lr_(base_lr), warmup_(std::max<int64_t>(0, warmup_steps)),
+      total_(std::max<int64_t>(0, total_steps)), lr_end_(lr_end), power_(power) {
+  if (type_ != "linear" && type_ != "cosine" && type_ != "polynomial" && type_ != "constant" &&
+      type_ != "constant_with_warmup") {
+    throw Error(fmt::format("lr_scheduler_type: unknown schedule '{}' (linear, cosine, polynomial, constant, "
+                            "constant_with_warmup)",
+                            type_));
+  }
+  if (type_ == "polynomial" && !(base_lr_ > lr_end_)) {
+    throw Error(fmt::format("lr_scheduler_type polynomial: the learning rate ({}) must be above lr_end ({})", base_lr_,
+                            lr_end_));
+  }
+}
+
+// transformers' lambdas (optimization.py), operation for operation, so the factors are the same doubles.
+std::optional<double> HfSchedule::factor(int64_t t) const {
+  const double step = static_cast<double>(t), warm = static_cast<double>(warmup_), total = static_cast<double>(total_);
+  if (type_ == "constant") return 1.0;
+  if (t < warmup_) return step / std::max(1.0, warm);
+  if (type_ == "constant_with_warmup") return 1.0;
+  if (type_ == "linear") return std::max(0.0, (total - step) / static_cast<double>(std::max<int64_t>(1, total_ - warmup_)));
+  if (type_ == "cosine") {
+    const double progress = (step - warm) / static_cast<double>(std::max<int64_t>(1, total_ - warmup_));
+    return std::max(0.0, 0.5 * (1.0 + std::cos(kPi * 0.5 * 2.0 * progress)));
+  }
+  // polynomial
+  if (t > total_ || total_ == warmup_) return lr_end_ / base_lr_;
+  const double range = base_lr_ - lr_end_;
+  const double decay_steps = static_cast<double>(total_ - warmup_);
+  const double remaining = 1.0 - (step - warm) / decay_steps;
+  return (range * std::pow(remaining, power_) + lr_end_) / base_lr_;
 }
 
 WarmupLR::WarmupLR(double min_lr, double max_lr, int64_t warmup_steps, Warmup type)

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace zeal {
@@ -22,6 +23,9 @@ class LrSchedule {
   virtual ~LrSchedule() = default;
   virtual double lr_at(int64_t iteration) const = 0;
   virtual std::string name() const = 0;
+  // A schedule of PyTorch's LambdaLR kind (Hugging Face's): the factor of each parameter group's own
+  // rate at `iteration`; lr_at is then group 0's rate. nullopt for DeepSpeed's absolute rates.
+  virtual std::optional<double> factor(int64_t) const { return std::nullopt; }
 
   // Advances to the next optimizer step and returns its rate.
   double step() { return lr_at(++last_); }
@@ -76,6 +80,26 @@ class WarmupCosineLR : public LrSchedule {
   int64_t warmup_steps_;
   double cos_min_ratio_;
   Warmup type_;
+};
+
+// Hugging Face's get_scheduler(name, optimizer, num_warmup_steps, num_training_steps) with
+// transformers' formulas: a factor of each group's rate (base_lr: group 0's, and polynomial's
+// lr_init). "linear", "cosine" (half a cycle), "polynomial" (to lr_end 1e-7, power 1),
+// "constant", "constant_with_warmup". zeal::Error for another name, or polynomial with
+// base_lr <= lr_end.
+class HfSchedule : public LrSchedule {
+ public:
+  HfSchedule(std::string type, double base_lr, int64_t warmup_steps, int64_t total_steps, double lr_end = 1e-7,
+             double power = 1.0);
+  double lr_at(int64_t t) const override { return base_lr_ * *factor(t); }
+  std::optional<double> factor(int64_t t) const override;
+  std::string name() const override { return type_; }
+
+ private:
+  std::string type_;
+  double base_lr_;
+  int64_t warmup_, total_;
+  double lr_end_, power_;
 };
 
 // The schedule the config names (nullptr when it names none). `optimizer_lr` is the optimizer's

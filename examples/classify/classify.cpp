@@ -1,11 +1,12 @@
-// Text classification with zeal: a small transformer encoder learns the sentiment of generated
-// hotel reviews. The C++ counterpart of the Accelerate walkthrough: the usual LibTorch loop,
-// with the engine preparing model, optimizer and data loaders, engine.backward for the loss,
-// engine.print for the log and gather_for_metrics for the accuracy.
+// Text classification with zeal's Trainer: a small transformer encoder learns the sentiment of
+// generated hotel reviews. The C++ counterpart of the Accelerate walkthrough's Trainer version:
+// evaluation and a checkpoint every epoch, the best checkpoint loaded at the end, the accuracy
+// from compute_metrics on the gathered predictions. Every Hugging Face training argument is a flag
+// (--eval_strategy steps, --early_stopping_patience 2, --report_to tensorboard, …; see --help).
 //
-//   zeal launch --num_processes 2 build/bin/classify --config_file configs/zero2.yaml
+//   zeal launch --num_processes 2 build/bin/classify --config_file configs/zero2.yaml --output_dir /tmp/classify
 //
-// The last line printed is "accuracy: <fraction>" on the held-out reviews.
+// The last line printed is "accuracy: <fraction>" on the held-out reviews, by the best model.
 #include <torch/data/datasets/base.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
@@ -23,6 +24,7 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "engine/trainer/trainer.h"
 #include "examples/common/flags.h"
 #include "examples/classify/reviews.h"
 
@@ -75,11 +77,10 @@ TORCH_MODULE(Classifier);
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Sentiment classification of generated hotel reviews, trained with zeal"};
-  app.allow_extras();  // --config_file and the config override flags are the engine's
-  int64_t train_size = 4000, valid_size = 500, batch = 32, epochs = 3, dim = 64, layers = 2, log_every = 20;
-  double lr = 1e-3;
-  uint64_t seed = 42;
+  CLI::App app{"Sentiment classification of generated hotel reviews, trained with zeal's Trainer"};
+  app.allow_extras();  // the training arguments, --config_file and the config override flags
+  int64_t train_size = 4000, valid_size = 500, batch = 32, dim = 64, layers = 2;
+  double epochs = 3, lr = 1e-3;
   using zeal_examples::at_least_one;
   app.add_option("--train_size", train_size, "training reviews")
       ->capture_default_str()
@@ -87,9 +88,11 @@ int main(int argc, char** argv) {
   app.add_option("--valid_size", valid_size, "held-out reviews")
       ->capture_default_str()
       ->check(zeal_examples::integer_in(1, 10'000'000));
-  app.add_option("--batch_size", batch, "reviews per rank per step")->capture_default_str()->check(at_least_one());
-  app.add_option("--epochs", epochs)->capture_default_str()->check(at_least_one());
-  app.add_option("--lr", lr)->capture_default_str()->check(zeal_examples::positive_finite());
+  app.add_option("--batch_size", batch, "reviews per rank per step (per_device_train_batch_size)")
+      ->capture_default_str()
+      ->check(at_least_one());
+  app.add_option("--epochs", epochs, "num_train_epochs")->capture_default_str()->check(zeal_examples::positive_finite());
+  app.add_option("--lr", lr, "learning_rate")->capture_default_str()->check(zeal_examples::positive_finite());
   app.add_option("--dim", dim, "model width, a multiple of the 4 attention heads")
       ->capture_default_str()
       ->check(zeal_examples::integer_in(4, 1 << 16) & CLI::Validator(
@@ -98,72 +101,59 @@ int main(int argc, char** argv) {
                                                           },
                                                           "MULTIPLE OF 4"));
   app.add_option("--layers", layers, "encoder layers")->capture_default_str()->check(at_least_one());
-  app.add_option("--log_every", log_every, "steps between loss lines")->capture_default_str()->check(at_least_one());
-  app.add_option("--seed", seed)->capture_default_str()->check(zeal_examples::non_negative());
-  if (auto code = zeal_examples::parse_flags(app, argc, argv, "classify")) return *code;
-
+  int64_t log_every = 20;
+  app.add_option("--log_every", log_every, "logging_steps")->capture_default_str()->check(at_least_one());
+  // This program's defaults for the training arguments; their flags override them.
+  zeal::TrainingArguments args;
+  args.output_dir = "classify_out";
+  args.num_train_epochs = epochs;
+  args.learning_rate = lr;
+  args.lr_scheduler_type = "constant";
+  args.logging_steps = log_every;
+  args.eval_strategy = "epoch";
+  args.save_strategy = "epoch";
+  args.load_best_model_at_end = true;
+  args.metric_for_best_model = "accuracy";
+  args.weight_decay = 0.01;
+  args.save_total_limit = 2;
+  args.run_name = "classify";
+  if (auto code = zeal_examples::parse_trainer_flags(app, argc, argv, "classify", args)) return *code;
+  // The program's short names, where given, over everything else.
+  auto given = [&](const char* flag) { return app.count(flag) > 0; };
+  if (given("--epochs")) args.num_train_epochs = epochs;
+  if (given("--lr")) args.learning_rate = lr;
+  if (given("--log_every")) args.logging_steps = log_every;
   std::optional<zeal::Config> config = zeal_examples::load_config(argc, argv, "classify");
   if (!config) return 2;
+  // --batch_size unless the training arguments or the config say otherwise.
+  if (given("--batch_size") || (!args.per_device_train_batch_size && config->train_micro_batch_size_per_gpu.value <= 0)) {
+    args.per_device_train_batch_size = batch;
+  }
+  args.per_device_eval_batch_size = 2 * args.per_device_train_batch_size.value_or(batch);
   try {
     zeal::Engine engine(std::move(*config));
 
-    // The same data on every rank (fixed seeds); the loaders give each rank its part.
+    // The same data on every rank (fixed seeds); the Trainer gives each rank its part.
     classify::Vocabulary vocab;
-    auto reviews = classify::generate_reviews(train_size + valid_size, seed);
+    auto reviews = classify::generate_reviews(train_size + valid_size, args.seed);
     std::vector<classify::Review> train(reviews.begin(), reviews.begin() + train_size);
     std::vector<classify::Review> valid(reviews.begin() + train_size, reviews.end());
-    zeal::DataLoader train_loader(ReviewDataset(train, vocab), {.batch_size = batch, .shuffle = true, .seed = seed});
-    zeal::DataLoader valid_loader(ReviewDataset(valid, vocab), {.batch_size = 2 * batch});
 
-    at::manual_seed(static_cast<uint64_t>(seed));
+    at::manual_seed(args.seed);
     Classifier model(vocab.size(), dim, layers);
-    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.01));
-
-    auto [m, opt, trainloader, validloader] = engine.prepare(model, optimizer, train_loader, valid_loader);
-    engine.print(fmt::format("zeal: {} ranks, ZeRO stage {}, {} parameters, {} train / {} held-out reviews, {} "
-                             "batches per rank per epoch",
-                             engine.num_processes(), engine.zero_stage(), engine.num_trainable_parameters(),
-                             train.size(), valid.size(), trainloader.size()));
-    engine.print("zeal: per-rank memory: ", engine.memory().summary());
-
-    double accuracy = 0;
-    int64_t global_step = 0;
-    for (int64_t ep = 0; ep < epochs; ++ep) {
-      m->train();
-      for (auto& batch_data : trainloader) {
-        at::Tensor loss;
-        {
-          auto autocast = engine.autocast();
-          loss = torch::nn::functional::cross_entropy(m->forward(batch_data.data).to(at::kFloat), batch_data.target);
-        }
-        engine.backward(loss);
-        opt.step();
-        opt.zero_grad();
-        if (global_step % log_every == 0) {
-          const double mean = engine.reduce(loss.detach(), "mean").item<double>();
-          engine.print(fmt::format("ep: {}, global_step: {}, loss: {:.4f}", ep, global_step, mean));
-        }
-        ++global_step;
-      }
-      // Accuracy on the held-out reviews: every rank predicts its part, gather_for_metrics
-      // collects them without the samples repeated to even out the last batch.
-      m->eval();
-      c10::NoGradGuard no_grad;
-      int64_t correct = 0, seen = 0;
-      for (auto& batch_data : validloader) {
-        at::Tensor pred;
-        {
-          auto autocast = engine.autocast();
-          pred = m->forward(batch_data.data).argmax(-1);
-        }
-        auto both = engine.gather_for_metrics({pred, batch_data.target});
-        correct += both[0].eq(both[1]).sum().item<int64_t>();
-        seen += both[0].size(0);
-      }
-      accuracy = static_cast<double>(correct) / static_cast<double>(seen);
-      engine.print(fmt::format("ep: {}, acc: {:.4f} ({} of {} held-out reviews)", ep, accuracy, correct, seen));
-    }
-    engine.print(fmt::format("accuracy: {:.4f}", accuracy));
+    zeal::Trainer trainer(engine, model, args, ReviewDataset(train, vocab), ReviewDataset(valid, vocab),
+                          [&](const torch::data::Example<>& b) {
+                            at::Tensor logits = model->forward(b.data).to(at::kFloat);
+                            return zeal::StepOutput{torch::nn::functional::cross_entropy(logits, b.target),
+                                                    logits.argmax(-1), b.target};
+                          });
+    trainer.compute_metrics = [](const zeal::EvalPrediction& p) {
+      const double correct = p.predictions.eq(p.label_ids).sum().item<double>();
+      return zeal::Metrics{{"accuracy", correct / static_cast<double>(p.predictions.size(0))}};
+    };
+    trainer.train();
+    const zeal::Metrics metrics = trainer.evaluate();  // the best model's, after load_best_model_at_end
+    engine.print(fmt::format("accuracy: {:.4f}", metrics.at("eval_accuracy")));
   } catch (const std::exception& e) {
     return zeal_examples::report_failure("classify", e);
   }

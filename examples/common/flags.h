@@ -18,6 +18,7 @@
 #include "cli/number_flags.h"
 #include "engine/config/config.h"
 #include "engine/error.h"
+#include "engine/trainer/arguments.h"
 
 namespace zeal_examples {
 
@@ -37,6 +38,8 @@ inline int report_failure(const char* program, const std::exception& e) {
   return 1;
 }
 
+inline std::optional<int> check_engine_flags(const std::vector<std::string>& rest, const char* program);
+
 // Parses the flags. Returns the exit code when the program should end now: 0 after --help, 2 for a
 // flag that is wrong (its message, naming the flag, on stderr).
 inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv, const char* program) {
@@ -50,9 +53,42 @@ inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv, cons
     std::fprintf(stderr, "%s: %s (see --help)\n", program, e.what());
     return 2;
   }
-  // What the program's own flags left must be the engine's: --config_file or a config override
-  // flag (each with its value), nothing else.
-  const std::vector<std::string> rest = app.remaining();
+  return check_engine_flags(app.remaining(), program);
+}
+
+// The Trainer's programs: the program's own flags, then Hugging Face's training arguments
+// (--learning_rate, --eval_strategy, …, --training_args FILE) over `args` (the program's
+// defaults), then the engine's. Returns the exit code when the program should end now (0 after
+// --help, 2 for a wrong flag, named).
+inline std::optional<int> parse_trainer_flags(CLI::App& app, int argc, char** argv, const char* program,
+                                              zeal::TrainingArguments& args) {
+  app.footer("\n" + zeal::TrainingArguments::help() +
+             "\nThe engine's config: --config_file FILE and the override flags (zeal config keys).");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "%s: %s (see --help)\n", program, e.what());
+    return 2;
+  }
+  std::vector<std::string> remaining = app.remaining(), rest;
+  std::vector<const char*> v{program};
+  for (const auto& r : remaining) v.push_back(r.c_str());
+  try {
+    args = zeal::TrainingArguments::parse(static_cast<int>(v.size()), v.data(), &rest, args);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s (see --help)\n", program, e.what());
+    return 2;
+  }
+  return check_engine_flags(rest, program);
+}
+
+// What the program's own flags left must be the engine's: --config_file or a config override
+// flag (each with its value), nothing else.
+inline std::optional<int> check_engine_flags(const std::vector<std::string>& rest, const char* program) {
   for (size_t i = 0; i < rest.size(); ++i) {
     const std::string& arg = rest[i];
     if (arg.rfind("--", 0) != 0) {

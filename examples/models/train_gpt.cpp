@@ -39,7 +39,7 @@
 #include "engine/output.h"
 #include "engine/memory_tracker.h"
 #include "examples/common/flags.h"
-#include "examples/common/progress.h"
+#include "engine/progress.h"
 #include "examples/models/gpt.h"
 
 namespace {
@@ -273,7 +273,7 @@ int main(int argc, char** argv) {
       evals.push_back(phase.end(false));
       return loss;
     };
-    zeal_examples::ProgressBar bar(steps, engine.is_main_process(), log_every);
+    zeal::ProgressBar bar(steps, engine.is_main_process(), log_every);
     zeal::MemoryTracker train_phase(engine, "train");
     double last_eval = std::nan("");
     const auto run_start = std::chrono::steady_clock::now();

@@ -1,4 +1,4 @@
-// A one-line progress bar for the examples: on a terminal it redraws itself in place
+// A one-line progress bar (zeal::Trainer, the example programs): on a terminal it redraws itself in place
 //
 //   step 12/200 [███████▌                    ]  6% loss 4.1234 | 1,530 tok/s | 2.10 s/step | ETA 6m35s
 //
@@ -18,8 +18,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
-namespace zeal_examples {
+namespace zeal {
 
 inline std::string format_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
@@ -39,16 +40,20 @@ class ProgressBar {
   // `enabled`: this process draws (the main process); `every`: steps between plain lines.
   ProgressBar(int64_t total, bool enabled, int64_t every, FILE* out = stdout)
       : total_(std::max<int64_t>(total, 1)), enabled_(enabled), every_(std::max<int64_t>(every, 1)), out_(out),
-        tty_(enabled && (isatty(fileno(out)) != 0 || terminal_behind_launcher())) {}
+        tty_(enabled && terminal(out)) {}
+  // Whether `out` shows on a terminal (directly, or behind `zeal launch`'s).
+  static bool terminal(FILE* out = stdout) { return isatty(fileno(out)) != 0 || terminal_behind_launcher(); }
   ~ProgressBar() { finish(); }
 
   bool on_terminal() const { return tty_; }
+  // What the rate counts: "tok" (tokens, the default) or "samples".
+  void set_unit(std::string unit) { unit_ = std::move(unit); }
 
   // Step `done` (1-based) of the total finished; `extra` follows the numbers (", model states …").
   void update(int64_t done, double loss, double tokens_per_s, double step_s, double eta_s, const std::string& extra = "") {
     if (!enabled_) return;
     const std::string numbers =
-        fmt::format("loss {:.4f} | {:.0f} tok/s | {:.2f} s/step | ETA {}", loss, tokens_per_s, step_s, format_duration(eta_s));
+        fmt::format("loss {:.4f} | {:.0f} {}/s | {:.2f} s/step | ETA {}", loss, tokens_per_s, unit_, step_s, format_duration(eta_s));
     if (tty_) {
       const int width = 28;
       const double frac = std::clamp(static_cast<double>(done) / static_cast<double>(total_), 0.0, 1.0);
@@ -59,8 +64,9 @@ class ProgressBar {
       std::fprintf(out_, "\r\033[K%s", current_.c_str());
       std::fflush(out_);
     } else if (done % every_ == 0 || done == total_ || done == 1) {
-      std::fprintf(out_, "step %lld/%lld: loss %.4f, %.0f tokens/s, %.2f s/step, ETA %s%s\n", static_cast<long long>(done),
-                   static_cast<long long>(total_), loss, tokens_per_s, step_s, format_duration(eta_s).c_str(), extra.c_str());
+      std::fprintf(out_, "step %lld/%lld: loss %.4f, %.0f %s/s, %.2f s/step, ETA %s%s\n", static_cast<long long>(done),
+                   static_cast<long long>(total_), loss, tokens_per_s, unit_ == "tok" ? "tokens" : unit_.c_str(), step_s,
+                   format_duration(eta_s).c_str(), extra.c_str());
       std::fflush(out_);
     }
   }
@@ -92,6 +98,7 @@ class ProgressBar {
   FILE* out_;
   bool tty_;
   std::string current_;
+  std::string unit_ = "tok";
 };
 
-}  // namespace zeal_examples
+}  // namespace zeal
