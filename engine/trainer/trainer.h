@@ -25,6 +25,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -81,6 +82,8 @@ class TrainerCore {
                      std::shared_ptr<optim::LrSchedule> schedule = nullptr);
   // Hugging Face's compute_metrics: metrics of the gathered predictions ("eval_"-prefixed in the result).
   std::function<Metrics(const EvalPrediction&)> compute_metrics;
+  // More hyperparameters the trackers record beside the arguments (the model's name, …).
+  std::map<std::string, std::string> tracker_config;
 
  protected:
   // --- for the loop in Trainer<...> ---
@@ -108,7 +111,7 @@ class TrainerCore {
   // Appends a batch's gathered tensors (on the CPU).
   void gather_batch(const StepOutput& out, int64_t batch_size, std::vector<at::Tensor>& losses,
                     std::vector<at::Tensor>& preds, std::vector<at::Tensor>& labels);
-  Metrics evaluate_now(bool from_loop);
+  Metrics evaluate_now();
 
   Engine& engine_;
   std::shared_ptr<torch::nn::Module> model_;
@@ -228,7 +231,7 @@ class Trainer : public detail::TrainerCore {
   // logged to the trackers and told to the callbacks. Collective.
   Metrics evaluate() {
     ensure_prepared();
-    return evaluate_now(false);
+    return evaluate_now();
   }
 
   // Predictions for `dataset` (every rank's, in order), with test_loss and compute_metrics'
@@ -247,6 +250,10 @@ class Trainer : public detail::TrainerCore {
     if (!labels.empty()) out.label_ids = at::cat(labels);
     return out;
   }
+
+  // The training samples in a new order each epoch (seed and epoch), as Hugging Face's; off for a
+  // dataset whose order is already random (before train or evaluate).
+  bool shuffle_train = true;
 
   // The prepared loaders (after train, evaluate or predict).
   Loader& train_loader() { return *train_; }
@@ -283,7 +290,7 @@ class Trainer : public detail::TrainerCore {
           // The micro-batch is known only now (the arguments or the config's).
           LoaderOptions t;
           t.batch_size = engine_.config().train_micro_batch_size_per_gpu.value;
-          t.shuffle = true;
+          t.shuffle = shuffle_train;
           t.seed = args_.seed;
           t.drop_last = args_.dataloader_drop_last;
           train_.emplace(std::move(*train_set_), t, collate_);

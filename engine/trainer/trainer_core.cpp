@@ -314,14 +314,19 @@ bool TrainerCore::begin_train() {
   const std::string resume = resume_dir();
   const TrainerState planned = state_;
   if (!resume.empty()) {
+    MemoryTracker load(engine_, "load");
     engine_.load_state(resume);
+    const PhaseMemory loaded = load.end(false);
     // The plan is this run's (its arguments); where training stands is the checkpoint's.
     state_.max_steps = planned.max_steps;
     state_.num_train_epochs = planned.num_train_epochs;
     state_.steps_per_epoch = planned.steps_per_epoch;
-    engine_.print(fmt::format("zeal: resumed from {} at step {} (epoch {:.2f})", resume, state_.global_step, state_.epoch));
+    engine_.print(fmt::format("zeal: resumed from {} at step {} (epoch {:.2f}); the load's peak resident set {} (rank 0)",
+                              resume, state_.global_step, state_.epoch, format_bytes(static_cast<double>(loaded.cpu.peak))));
   }
-  engine_.init_trackers(args_.run_name.empty() ? "trainer" : args_.run_name, args_.to_map());
+  auto hyperparameters = args_.to_map();
+  for (const auto& [k, v] : tracker_config) hyperparameters[k] = v;
+  engine_.init_trackers(args_.run_name.empty() ? "trainer" : args_.run_name, hyperparameters);
   const int64_t micro = engine_.config().train_micro_batch_size_per_gpu.value;
   const int64_t accum = engine_.gradient_accumulation_steps();
   engine_.print(fmt::format(
@@ -457,7 +462,7 @@ void TrainerCore::maybe_log_save_evaluate() {
     log(std::move(logs));
   }
   if (control_.should_evaluate) {
-    const Metrics metrics = evaluate_now(true);
+    const Metrics metrics = evaluate_now();
     update_best(metrics);
   }
   if (control_.should_save && state_.global_step != L.last_saved) save_checkpoint();
@@ -481,7 +486,7 @@ void TrainerCore::log(Metrics logs) {
     if (k != "epoch" || logs.size() == 1) tracked[tracker_name(k)] = v;
   tracked["train/epoch"] = state_.epoch;
   engine_.log(tracked, state_.global_step);
-  say(format_logs(logs));
+  say(fmt::format("step {}/{}: {}", state_.global_step, state_.max_steps, format_logs(logs)));
   logs["step"] = static_cast<double>(state_.global_step);
   state_.log_history.push_back(logs);
   for (auto& cb : callbacks_) cb->on_log(args_, state_, control_, logs);
@@ -525,17 +530,13 @@ Metrics TrainerCore::evaluation_metrics(const std::string& prefix, std::vector<a
   return m;
 }
 
-Metrics TrainerCore::evaluate_now(bool from_loop) {
+Metrics TrainerCore::evaluate_now() {
   MemoryTracker phase(engine_, "eval");
   Metrics metrics = run_evaluation("eval");
   const PhaseMemory mem = phase.end(false);
   metrics["epoch"] = state_.epoch;
   log(metrics);
-  if (!from_loop || args_.eval_strategy == "epoch") {
-    if (engine_.is_main_process()) {
-      for (const auto& l : mem.lines()) say(l);
-    }
-  }
+  for (const auto& l : mem.lines()) say(l);
   for (auto& cb : callbacks_) cb->on_evaluate(args_, state_, control_, metrics);
   return metrics;
 }

@@ -8,10 +8,12 @@
 //       --data /tmp/packages.txt --out /tmp/lora_out
 //   ... --head_only     the baseline: the frozen model with only the head trained
 //
-// It prints PEFT's trainable-parameter line, the loss, the held-out accuracy, PEFT's memory lines
-// for every training epoch and evaluation (zeal::MemoryTracker), the engine's memory report, then saves the adapter (PEFT's format), loads it back into the model, merges it
-// (unit by unit under stage 3) and saves the merged model, checking the accuracy at each step.
-// The last line is "accuracy: <fraction>".
+// It trains with zeal's Trainer: evaluation and a checkpoint (in --out/checkpoints) every epoch,
+// the best checkpoint loaded at the end, PEFT's memory lines for every training epoch and
+// evaluation; every Hugging Face training argument is a flag (--early_stopping_patience 2, …; see
+// --help). Then it prints the engine's memory report, saves the adapter (PEFT's format), loads it
+// back into the model, merges it (unit by unit under stage 3) and saves the merged model, checking
+// the accuracy at each step. The last line is "accuracy: <fraction>".
 #include <CLI/CLI.hpp>
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -38,6 +40,7 @@
 #include "engine/memory.h"
 #include "engine/memory_tracker.h"
 #include "engine/peft/lora.h"
+#include "engine/trainer/trainer.h"
 #include "examples/common/flags.h"
 #include "examples/models/bert.h"
 #include "examples/models/wordpiece.h"
@@ -126,10 +129,9 @@ int main(int argc, char** argv) {
   const char* home = std::getenv("HOME");
   std::string model_dir = std::string(home ? home : "") + "/.cache/zeal/models/all-MiniLM-L6-v2";
   std::string data = "/tmp/packages.txt", out_dir = "lora_out", sections = "games,science,net,text,x11";
-  int64_t train_per = 200, eval_per = 60, batch = 16, epochs = 2, seq = 48, r = 8, log_every = 10;
-  double lr = 2e-3, alpha = 16, dropout = 0.05;
+  int64_t train_per = 200, eval_per = 60, batch = 16, seq = 48, r = 8, log_every = 10;
+  double lr = 2e-3, alpha = 16, dropout = 0.05, epochs = 2;
   bool head_only = false;
-  uint64_t seed = 42;
   using zeal_examples::at_least_one;
   app.add_option("--model_dir", model_dir, "a BERT in Hugging Face's layout (config.json, model.safetensors, tokenizer.json)")
       ->capture_default_str();
@@ -137,18 +139,39 @@ int main(int argc, char** argv) {
   app.add_option("--sections", sections, "the labels: Debian sections, comma-separated")->capture_default_str();
   app.add_option("--train_per_section", train_per)->capture_default_str()->check(at_least_one());
   app.add_option("--eval_per_section", eval_per)->capture_default_str()->check(at_least_one());
-  app.add_option("--batch_size", batch, "samples per rank per step")->capture_default_str()->check(zeal_examples::integer_in(1, 1 << 20));
-  app.add_option("--epochs", epochs)->capture_default_str()->check(at_least_one());
+  app.add_option("--batch_size", batch, "samples per rank per step (per_device_train_batch_size)")
+      ->capture_default_str()
+      ->check(zeal_examples::integer_in(1, 1 << 20));
+  app.add_option("--epochs", epochs, "num_train_epochs")->capture_default_str()->check(zeal_examples::positive_finite());
   app.add_option("--seq_len", seq, "tokens per sample, [CLS] and [SEP] included")->capture_default_str()->check(zeal_examples::integer_in(4, 512));
-  app.add_option("--lr", lr)->capture_default_str()->check(zeal_examples::positive_finite());
+  app.add_option("--lr", lr, "learning_rate")->capture_default_str()->check(zeal_examples::positive_finite());
   app.add_option("--r", r, "LoRA rank")->capture_default_str()->check(zeal_examples::integer_in(1, 1 << 16));
   app.add_option("--lora_alpha", alpha)->capture_default_str()->check(zeal_examples::positive_finite());
   app.add_option("--lora_dropout", dropout)->capture_default_str()->check(zeal_examples::real_in(0.0, 0.99));
-  app.add_option("--log_every", log_every)->capture_default_str()->check(at_least_one());
+  app.add_option("--log_every", log_every, "logging_steps")->capture_default_str()->check(at_least_one());
   app.add_option("--out", out_dir, "where the adapter and the merged model go")->capture_default_str();
   app.add_flag("--head_only", head_only, "the baseline: freeze the whole model but the head, no adapters");
-  app.add_option("--seed", seed)->capture_default_str()->check(zeal_examples::non_negative());
-  if (auto code = zeal_examples::parse_flags(app, argc, argv, "finetune_lora")) return *code;
+  // This program's defaults for the training arguments; their flags override them.
+  zeal::TrainingArguments args;
+  args.num_train_epochs = epochs;
+  args.learning_rate = lr;
+  args.lr_scheduler_type = "constant";
+  args.weight_decay = 0.01;
+  args.logging_steps = log_every;
+  args.eval_strategy = "epoch";
+  args.save_strategy = "epoch";
+  args.load_best_model_at_end = true;
+  args.metric_for_best_model = "accuracy";
+  args.save_total_limit = 1;
+  args.run_name = "finetune_lora";
+  args.output_dir = "";  // --out/checkpoints
+  if (auto code = zeal_examples::parse_trainer_flags(app, argc, argv, "finetune_lora", args)) return *code;
+  auto given = [&](const char* flag) { return app.count(flag) > 0; };
+  if (given("--epochs")) args.num_train_epochs = epochs;
+  if (given("--lr")) args.learning_rate = lr;
+  if (given("--log_every")) args.logging_steps = log_every;
+  if (args.output_dir.empty()) args.output_dir = out_dir + "/checkpoints";
+  const uint64_t seed = args.seed;
 
   const auto names = split(sections, ',');
   if (names.size() < 2) {
@@ -157,6 +180,10 @@ int main(int argc, char** argv) {
   }
   std::optional<zeal::Config> config = zeal_examples::load_config(argc, argv, "finetune_lora");
   if (!config) return 2;
+  if (given("--batch_size") || (!args.per_device_train_batch_size && config->train_micro_batch_size_per_gpu.value <= 0)) {
+    args.per_device_train_batch_size = batch;
+  }
+  args.per_device_eval_batch_size = 2 * args.per_device_train_batch_size.value_or(batch);
   try {
     zeal::check_output_dir(out_dir, "--out");  // before the training it would hold the results of
     zeal::Engine engine(std::move(*config));
@@ -176,9 +203,6 @@ int main(int argc, char** argv) {
       for (int64_t i = 0; i < train_per + eval_per; ++i) (i < train_per ? train : valid).push_back({v[i].text, static_cast<int64_t>(k)});
     }
     const auto tok = zeal::text::WordPieceTokenizer::from_file(model_dir + "/tokenizer.json");
-    zeal::DataLoader train_loader(TextDataset(train, tok, seq), {.batch_size = batch, .shuffle = true, .seed = seed});
-    zeal::DataLoader valid_loader(TextDataset(valid, tok, seq), {.batch_size = 2 * batch});
-
     at::manual_seed(seed);
     BertConfig cfg = BertConfig::from_file(model_dir + "/config.json");
     auto model = engine.init<BertForSequenceClassification>(cfg, static_cast<int64_t>(names.size()));
@@ -188,13 +212,9 @@ int main(int argc, char** argv) {
     engine.print(fmt::format("zeal: {} tensors from {} ({} new: {})", report.loaded, model_dir, report.missing.size(),
                              fmt::format("{}", fmt::join(report.missing, ", "))));
     zeal::peft::PeftModel peft;
-    std::vector<at::Tensor> trainable;
     if (head_only) {
       for (auto& p : model->parameters()) p.requires_grad_(false);
-      for (auto& p : model->classifier->parameters()) {
-        p.requires_grad_(true);
-        trainable.push_back(p);
-      }
+      for (auto& p : model->classifier->parameters()) p.requires_grad_(true);
     } else {
       zeal::peft::LoraConfig lc;
       lc.r = r;
@@ -206,59 +226,32 @@ int main(int argc, char** argv) {
       lc.base_model_name_or_path = "sentence-transformers/all-MiniLM-L6-v2";
       peft = zeal::peft::get_peft_model(model, lc);
       if (engine.is_main_process()) peft.print_trainable_parameters();
-      trainable = peft.trainable_parameters();
     }
-    torch::optim::AdamW optimizer(trainable, torch::optim::AdamWOptions(lr).weight_decay(0.01));
-    auto [m, opt, trainloader, validloader] = engine.prepare(model, optimizer, train_loader, valid_loader);
+    // The Trainer trains what requires a gradient: the adapters and the head (or the head alone).
+    zeal::Trainer trainer(engine, model, args, TextDataset(train, tok, seq), TextDataset(valid, tok, seq),
+                          [&](const torch::data::Example<>& b) {
+                            at::Tensor logits = model->forward(b.data, b.data.ne(tok.pad_id())).to(at::kFloat);
+                            return zeal::StepOutput{torch::nn::functional::cross_entropy(logits, b.target),
+                                                    logits.argmax(-1), b.target};
+                          });
+    trainer.compute_metrics = [](const zeal::EvalPrediction& p) {
+      const double correct = p.predictions.eq(p.label_ids).sum().item<double>();
+      return zeal::Metrics{{"accuracy", correct / static_cast<double>(p.predictions.size(0))}};
+    };
+    trainer.train();
     engine.print(fmt::format("zeal: {} ranks, ZeRO stage {}, {} trainable of {} parameters, {} train / {} held-out "
                              "packages in {} sections",
                              engine.num_processes(), engine.zero_stage(), engine.num_trainable_parameters(),
                              cfg.num_parameters() + (cfg.hidden_size + 1) * static_cast<int64_t>(names.size()),
                              train.size(), valid.size(), names.size()));
-
+    // The held-out accuracy (PEFT's memory lines for each evaluation).
     auto evaluate = [&](const std::string& what) {
-      zeal::MemoryTracker eval_phase(engine, "eval");  // PEFT's memory lines for the evaluation
-      m->eval();
-      c10::NoGradGuard no_grad;
-      int64_t correct = 0, seen = 0;
-      for (auto& b : validloader) {
-        at::Tensor pred;
-        {
-          auto autocast = engine.autocast();
-          pred = m->forward(b.data, b.data.ne(tok.pad_id())).argmax(-1);
-        }
-        auto both = engine.gather_for_metrics({pred, b.target});
-        correct += both[0].eq(both[1]).sum().item<int64_t>();
-        seen += both[0].size(0);
-      }
-      const double acc = static_cast<double>(correct) / static_cast<double>(seen);
-      engine.print(fmt::format("{}: held-out accuracy {:.4f} ({} of {})", what, acc, correct, seen));
-      eval_phase.end();
+      const zeal::Metrics m = trainer.evaluate();
+      const double acc = m.at("eval_accuracy");
+      engine.print(fmt::format("{}: held-out accuracy {:.4f}", what, acc));
       return acc;
     };
-    int64_t step = 0;
-    double accuracy = 0;
-    // The seed's memory report for each epoch's training: before, consumed, peak, total peak (MB).
-    for (int64_t ep = 0; ep < epochs; ++ep) {
-      zeal::MemoryTracker train_phase(engine, "train");
-      m->train();
-      for (auto& b : trainloader) {
-        at::Tensor loss;
-        {
-          auto autocast = engine.autocast();
-          loss = torch::nn::functional::cross_entropy(m->forward(b.data, b.data.ne(tok.pad_id())).to(at::kFloat), b.target);
-        }
-        engine.backward(loss);
-        opt.step();
-        opt.zero_grad();
-        if (step % log_every == 0) {
-          engine.print(fmt::format("ep: {}, step: {}, loss: {:.4f}", ep, step, engine.reduce(loss.detach(), "mean").item<double>()));
-        }
-        ++step;
-      }
-      train_phase.end();
-      accuracy = evaluate(fmt::format("epoch {}", ep));
-    }
+    const double accuracy = evaluate("the best model");
     const zeal::MemoryReport mem = engine.memory();
     engine.print("zeal: per-rank memory: ", mem.summary());
     engine.print(fmt::format("zeal: frozen weights {:.1f} MB hold no gradient and no optimizer state: gradients {:.3f} MB, "

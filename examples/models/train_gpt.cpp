@@ -1,5 +1,6 @@
 // Trains a GPT (examples/models/gpt.h) with zeal: the model is built with engine.init (partitioned
-// in stage 3 with zero3_init_flag), then the usual loop with gradient accumulation from the config.
+// in stage 3 with zero3_init_flag), then zeal::Trainer runs the loop with gradient accumulation from
+// the config.
 //
 //   zeal launch --config_file configs/zero3.yaml build/bin/train_gpt --model tiny --steps 200
 //       --seq_len 64 --micro_batch 8 --data README.md --log_jsonl train.jsonl   (one line)
@@ -7,17 +8,19 @@
 // --data: files of tokens. A file with llm.c's header (int32 magic 20240520, version 1, token
 // count, 1024 header bytes) holds uint16 GPT-2 tokens; any other file is read as bytes (tokens
 // 0-255, which every preset's vocabulary covers). Without --data the tokens are random (timing).
-// Each step every rank reads its own windows of seq_len + 1 tokens at positions drawn from --seed.
+// Sample i of the run is a window of seq_len + 1 tokens at a position drawn from --seed and i; the
+// ranks take consecutive samples (the global batch of a step is micro_batch x ranks x accumulation
+// of them), so a step's samples are the same on any number of ranks with the same global batch.
 // Rank 0 shows a progress bar on a terminal (step, loss, tokens/s, s/step, ETA; under `zeal launch`
-// too) and plain lines every --log_every steps otherwise; --log_jsonl writes one JSON line per step
+// too) and the Trainer's log every --log_every steps; --log_jsonl writes one JSON line per step
 // with the resident set and its peak. --eval_every K holds the last tenth of the tokens out and
-// reports the held-out loss every K steps (--eval_batches windows per rank). At the end each phase
-// prints its memory report: PEFT's lines (before, consumed, peak, total peak, in MB, per device)
-// and where the peak went.
-// --save_dir D saves a checkpoint as D/step_<k> every --save_every steps and after the last one;
-// --resume D continues from D (or the checkpoint D/latest names) at the step it was saved after,
-// whatever the world size and config of the run that saved it (the samples of a step depend only
-// on --seed and the step); --resume auto continues from --save_dir when it holds a checkpoint.
+// reports the held-out loss every K steps and after the last (--eval_batches windows per rank).
+// Each training epoch and evaluation prints its memory in PEFT's lines (before, consumed, peak,
+// total peak, in MB, per device); at the end, where the training's peak went.
+// --save_dir D saves a checkpoint as D/checkpoint-<k> every --save_every steps and after the last
+// one; --resume D continues from D (or the checkpoint D/latest names) at the step it was saved
+// after, whatever the world size and config of the run that saved it; --resume auto continues from
+// --save_dir when it holds a checkpoint.
 #include <torch/optim/adamw.h>
 
 #include <CLI/CLI.hpp>
@@ -32,14 +35,16 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/output.h"
 #include "engine/memory_tracker.h"
+#include "engine/trainer/trainer.h"
 #include "examples/common/flags.h"
-#include "engine/progress.h"
 #include "examples/models/gpt.h"
 
 namespace {
@@ -93,6 +98,101 @@ std::vector<int64_t> read_tokens(const std::string& path, int64_t vocab) {
   return out;
 }
 
+using Window = torch::data::Example<at::Tensor, torch::data::example::NoTarget>;
+
+// Sample i: seq_len + 1 tokens of the stream at a position drawn from the seed and i (random
+// tokens without a stream); or, made with rows(), row i of fixed windows.
+class Windows {
+ public:
+  Windows(at::Tensor stream, int64_t vocab, int64_t seq_len, int64_t count, uint64_t seed)
+      : stream_(std::move(stream)), vocab_(vocab), seq_len_(seq_len), count_(count), seed_(seed) {}
+  static Windows rows(at::Tensor rows) {
+    Windows w({}, 0, rows.size(1) - 1, rows.size(0), 0);
+    w.rows_ = std::move(rows);
+    return w;
+  }
+  Window get(size_t i) const {
+    if (rows_.defined()) return {rows_[static_cast<int64_t>(i)]};
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_ * 1'000'003 + static_cast<uint64_t>(i));
+    if (!stream_.defined() || stream_.numel() == 0) return {at::randint(0, vocab_, {seq_len_ + 1}, gen)};
+    const int64_t start = at::randint(0, stream_.numel() - seq_len_ - 1, {1}, gen).item<int64_t>();
+    return {stream_.narrow(0, start, seq_len_ + 1)};
+  }
+  size_t size() const { return static_cast<size_t>(count_); }
+
+ private:
+  at::Tensor stream_, rows_;
+  int64_t vocab_, seq_len_, count_;
+  uint64_t seed_;
+};
+
+// What the run reports beside the Trainer: the model's memory once prepared, one JSON line per step
+// (rank 0; written once the step's evaluation, if any, is known), the training's memory, and an
+// evaluation after the last step with --eval_every.
+class RunLog : public zeal::TrainerCallback {
+ public:
+  RunLog(zeal::Engine& engine, std::ofstream* out, std::string path, int64_t seq_len, bool eval_at_end)
+      : engine_(engine), out_(out), path_(std::move(path)), seq_len_(seq_len), eval_at_end_(eval_at_end) {}
+  void on_train_begin(const Args&, const zeal::TrainerState&, zeal::TrainerControl&) override {
+    engine_.print("zeal: per-rank memory: ", engine_.memory().summary());
+    phase_ = std::make_unique<zeal::MemoryTracker>(engine_, "train");
+  }
+  void on_step_end(const Args&, const zeal::TrainerState& s, zeal::TrainerControl& c) override {
+    flush();
+    if (eval_at_end_ && s.global_step == s.max_steps) c.should_evaluate = true;
+    const auto mem = engine_.memory();
+    const zeal::PhaseMemory so_far = phase_->now();
+    pending_ = fmt::format("{{\"step\": {}, \"loss\": {:.6f}, \"grad_norm\": {:.6g}, \"step_s\": {:.4f}, "
+                           "\"tokens_per_s\": {:.1f}, \"skipped\": {}, \"model_state_bytes\": {}, "
+                           "\"gathered_peak_bytes\": {}, \"offload_host_bytes\": {}, \"offload_disk_bytes\": {}, "
+                           "\"rss_bytes\": {}, \"peak_rss_bytes\": {}{}",
+                           s.global_step - 1, s.step_loss, engine_.last_grad_norm(), s.step_seconds,
+                           static_cast<double>(s.step_samples * seq_len_) / std::max(s.step_seconds, 1e-9),
+                           engine_.optimizer_step_was_skipped() ? "true" : "false", mem.model_states(), mem.gathered_peak,
+                           mem.offload_host, mem.offload_disk, so_far.cpu.end, so_far.cpu.peak,
+                           so_far.device.measured ? fmt::format(", \"device_peak_bytes\": {}", so_far.device.peak) : "");
+  }
+  void on_evaluate(const Args&, const zeal::TrainerState&, zeal::TrainerControl&, const zeal::Metrics& m) override {
+    if (!pending_.empty() && m.count("eval_loss")) pending_ += fmt::format(", \"eval_loss\": {:.6f}", m.at("eval_loss"));
+    flush();
+  }
+  void on_train_end(const Args&, const zeal::TrainerState&, zeal::TrainerControl&) override {
+    flush();
+    if (!phase_) return;
+    // Where the training's peak went (rank 0).
+    const zeal::PhaseMemory m = phase_->end(false);
+    if (!engine_.is_main_process()) return;
+    std::string parts;
+    for (const auto& p : m.breakdown()) {
+      if (p.bytes == 0) continue;
+      parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", p.name, zeal::format_bytes(static_cast<double>(p.bytes)));
+    }
+    engine_.print(fmt::format("zeal: train peak resident set {} (rank 0) = {}", zeal::format_bytes(static_cast<double>(m.cpu.peak)),
+                              parts));
+    if (m.engine.offload_disk > 0) {
+      engine_.print(fmt::format("zeal: on disk: {} (offloaded optimizer state, gradients, parameters)",
+                                zeal::format_bytes(static_cast<double>(m.engine.offload_disk))));
+    }
+  }
+
+ private:
+  void flush() {
+    if (pending_.empty()) return;
+    if (out_->is_open()) {
+      *out_ << pending_ << "}\n";
+      if (!out_->flush()) throw zeal::Error(fmt::format("--log_jsonl: writing {} failed (disk full?)", path_));
+    }
+    pending_.clear();
+  }
+  zeal::Engine& engine_;
+  std::ofstream* out_;
+  std::string path_;
+  int64_t seq_len_;
+  bool eval_at_end_;
+  std::unique_ptr<zeal::MemoryTracker> phase_;
+  std::string pending_;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -145,6 +245,7 @@ int main(int argc, char** argv) {
                  "continue from this checkpoint (or the one its latest names); auto: from --save_dir's latest when "
                  "there is one, else from the start (for zeal launch --max_restarts)");
   if (auto code = zeal_examples::parse_flags(app, argc, argv, "train_gpt")) return *code;
+  const bool micro_given = app.count("--micro_batch") > 0;
   // The flags that depend on each other: wrong ones end here too, with exit code 2.
   zeal::models::GptConfig cfg;
   try {
@@ -167,8 +268,6 @@ int main(int argc, char** argv) {
       std::cerr << "train_gpt: --resume auto continues from --save_dir's latest checkpoint: give --save_dir too\n";
       return 2;
     }
-    std::error_code ec;
-    resume = std::filesystem::exists(std::filesystem::path(save_dir) / "latest", ec) ? save_dir : "";
   }
   std::optional<zeal::Config> config = zeal_examples::load_config(argc, argv, "train_gpt");
   if (!config) return 2;
@@ -199,19 +298,71 @@ int main(int argc, char** argv) {
     at::manual_seed(seed);
     auto model = engine.init<zeal::models::Gpt>(cfg);
     const auto built = engine.memory();
-    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
-    auto [m, opt] = engine.prepare(model, optimizer);
+    // The Trainer's arguments from this program's flags.
+    const zeal::Config& c = engine.config();
+    auto set_in_config = [&](const std::string& key) {
+      auto it = c.origins.find(key);
+      return it != c.origins.end() && it->second.kind != zeal::Origin::Kind::kDefault;
+    };
+    zeal::TrainingArguments args;
+    args.max_steps = steps;
+    args.learning_rate = lr;
+    args.weight_decay = weight_decay;
+    args.lr_scheduler_type = "constant";
+    args.seed = seed;
+    args.logging_steps = log_every;
+    args.run_name = "train_gpt";
+    // --micro_batch unless the config sets its own and the flag is not given.
+    if (micro_given || !set_in_config("train_micro_batch_size_per_gpu") || c.train_micro_batch_size_per_gpu.is_auto) {
+      args.per_device_train_batch_size = micro_batch;
+    }
+    const int64_t micro = args.per_device_train_batch_size.value_or(c.train_micro_batch_size_per_gpu.value);
     const int64_t accum = engine.gradient_accumulation_steps();
     const int world = engine.num_processes();
     engine.print(fmt::format("zeal: {} ({:.1f} M parameters), {} ranks, ZeRO stage {}, {} x {} tokens per rank per "
                              "micro-step, {} micro-steps per step",
-                             cfg.name, cfg.num_parameters() / 1e6, world, engine.zero_stage(), micro_batch, seq_len,
+                             cfg.name, cfg.num_parameters() / 1e6, world, engine.zero_stage(), micro, seq_len,
                              accum));
     if (built.construction_peak > 0) {
       engine.print(fmt::format("zeal: construction held at most {} (bound {})", zeal::format_bytes(built.construction_peak),
                                zeal::format_bytes(built.construction_bound)));
     }
-    engine.print("zeal: per-rank memory: ", engine.memory().summary());
+
+    args.per_device_eval_batch_size = micro;
+    // No clipping unless the config asks for it ("auto": Hugging Face's 1.0).
+    if (c.gradient_clipping.is_auto) {
+      args.max_grad_norm = 1.0;
+    } else if (!set_in_config("gradient_clipping")) {
+      args.max_grad_norm = 0.0;
+    }
+    if (eval_every > 0) {
+      args.eval_strategy = "steps";
+      args.eval_steps = eval_every;
+    }
+    if (!save_dir.empty()) {
+      args.output_dir = save_dir;
+      args.save_strategy = "steps";
+      args.save_steps = save_every > 0 ? save_every : steps;  // and after the last step
+    } else {
+      args.save_strategy = "no";
+    }
+    args.resume_from_checkpoint = resume_auto ? "auto" : resume;
+
+    // The run's samples, and the held-out windows (the same every evaluation).
+    const int64_t per_step = micro * world * accum;
+    Windows train_set(stream, cfg.vocab, seq_len, steps * per_step, seed);
+    std::optional<Windows> eval_set;
+    if (eval_every > 0) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 7'000'003 + 1);
+      const int64_t n = eval_batches * micro * world;
+      eval_set = Windows::rows(held_out.defined() ? held_out.index({at::randint(0, held_out.numel() - seq_len - 1, {n, 1}, gen) +
+                                                                     at::arange(seq_len + 1).unsqueeze(0)})
+                                                  : at::randint(0, cfg.vocab, {n, seq_len + 1}, gen));
+    }
+    zeal::Trainer trainer(engine, model, args, std::move(train_set), std::move(eval_set),
+                          [&](const Window& b) { return model->loss(b.data); });
+    trainer.shuffle_train = false;  // sample i is drawn from the seed and i already
+    trainer.tracker_config = {{"model", cfg.name}, {"seq_len", std::to_string(seq_len)}};
 
     std::ofstream jsonl;
     if (!log_jsonl.empty() && engine.is_main_process()) {
@@ -220,152 +371,9 @@ int main(int argc, char** argv) {
       jsonl.open(log_jsonl, std::ios::out | (resume_auto ? std::ios::app : std::ios::trunc));
       if (!jsonl) throw zeal::Error(fmt::format("--log_jsonl: cannot write {}", log_jsonl));
     }
-    const int64_t per_step = micro_batch * world * accum;
-    // The config's trackers (log_with, tensorboard, csv_monitor) get every step's numbers.
-    engine.init_trackers("train_gpt", {{"model", cfg.name},
-                                       {"seq_len", std::to_string(seq_len)},
-                                       {"micro_batch", std::to_string(micro_batch)},
-                                       {"gradient_accumulation_steps", std::to_string(accum)},
-                                       {"lr", fmt::format("{}", lr)},
-                                       {"weight_decay", fmt::format("{}", weight_decay)},
-                                       {"seed", std::to_string(seed)}});
-    // The loop's own step count (fp16 steps skipped on overflow are steps here) goes into every
-    // checkpoint with the engine's state.
-    struct LoopStep : zeal::Checkpointable {
-      int64_t step = 0;
-      std::string state_dict() const override { return std::to_string(step); }
-      void load_state_dict(const std::string& s) override { step = std::stoll(s); }
-    };
-    auto loop = std::make_shared<LoopStep>();
-    engine.register_for_checkpointing(loop);
-    if (!resume.empty()) {
-      zeal::MemoryTracker load_phase(engine, "load");
-      engine.load_state(resume);
-      const zeal::PhaseMemory loaded = load_phase.end(false);
-      engine.print(fmt::format("zeal: resumed from {} after step {}; the load's peak resident set {} (rank 0)", resume,
-                               loop->step, zeal::format_bytes(static_cast<double>(loaded.cpu.peak))));
-    }
-    const int64_t first_step = loop->step;
-    // Held-out loss: the same windows every time (drawn from --seed), each rank its rows, averaged
-    // over the ranks.
-    std::vector<zeal::PhaseMemory> evals;
-    auto evaluate = [&]() {
-      zeal::MemoryTracker phase(engine, "eval");
-      m->eval();
-      c10::NoGradGuard no_grad;
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 7'000'003 + 1);
-      at::Tensor sum = at::zeros({}, at::TensorOptions(at::kFloat).device(engine.device()));
-      for (int64_t k = 0; k < eval_batches; ++k) {
-        const int64_t rows_n = micro_batch * world;
-        at::Tensor rows;
-        if (held_out.defined()) {
-          at::Tensor starts = at::randint(0, held_out.numel() - seq_len - 1, {rows_n, 1}, gen);
-          rows = held_out.index({starts + at::arange(seq_len + 1).unsqueeze(0)});
-        } else {
-          rows = at::randint(0, cfg.vocab, {rows_n, seq_len + 1}, gen);
-        }
-        rows = rows.narrow(0, engine.process_index() * micro_batch, micro_batch).to(engine.device());
-        auto ac = engine.autocast();
-        sum += m->loss(rows).to(at::kFloat);
-      }
-      m->train();
-      const double loss = engine.reduce(sum, "mean").item<double>() / static_cast<double>(eval_batches);
-      evals.push_back(phase.end(false));
-      return loss;
-    };
-    zeal::ProgressBar bar(steps, engine.is_main_process(), log_every);
-    zeal::MemoryTracker train_phase(engine, "train");
-    double last_eval = std::nan("");
-    const auto run_start = std::chrono::steady_clock::now();
-    for (int64_t step = first_step; step < steps; ++step) {
-      const auto t0 = std::chrono::steady_clock::now();
-      // This step's windows for every rank and micro-step, from the seed: rank r, micro-step k
-      // takes rows (k·world + r)·micro_batch onwards.
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1'000'003 + static_cast<uint64_t>(step));
-      at::Tensor batch;
-      if (stream.numel() > 0) {
-        at::Tensor starts = at::randint(0, stream.numel() - seq_len - 1, {per_step, 1}, gen);
-        batch = stream.index({starts + at::arange(seq_len + 1).unsqueeze(0)});
-      } else {
-        batch = at::randint(0, cfg.vocab, {per_step, seq_len + 1}, gen);
-      }
-      at::Tensor loss_sum = at::zeros({}, at::TensorOptions(at::kFloat).device(engine.device()));  // reduced once per step
-      for (int64_t k = 0; k < accum; ++k) {
-        auto guard = engine.accumulate(m);
-        at::Tensor rows = batch.narrow(0, (k * world + engine.process_index()) * micro_batch, micro_batch).to(engine.device());
-        at::Tensor loss;
-        {
-          auto ac = engine.autocast();
-          loss = m->loss(rows);
-        }
-        engine.backward(loss);
-        loss_sum += loss.detach().to(at::kFloat);
-        opt.step();
-        opt.zero_grad();
-      }
-      engine.synchronize();  // the step's GPU work is done before the clock is read
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const double loss = engine.reduce(loss_sum, "mean").item<double>() / static_cast<double>(accum);
-      const double tokens_per_s = static_cast<double>(per_step * seq_len) / seconds;
-      const auto mem = engine.memory();
-      const zeal::PhaseMemory so_far = train_phase.now();
-      bool evaluated = false;
-      if (eval_every > 0 && ((step + 1) % eval_every == 0 || step + 1 == steps)) {
-        last_eval = evaluate();
-        evaluated = true;
-        bar.line(fmt::format("step {}/{}: held-out loss {:.4f} (train loss {:.4f})", step + 1, steps, last_eval, loss));
-      }
-      zeal::Metrics metrics = {{"train/loss", loss},
-                               {"train/grad_norm", engine.last_grad_norm()},
-                               {"train/lr", engine.get_lr().empty() ? lr : engine.get_lr().front()},
-                               {"train/tokens_per_s", tokens_per_s},
-                               {"train/step_s", seconds},
-                               {"memory/rss_bytes", static_cast<double>(so_far.cpu.end)},
-                               {"memory/peak_rss_bytes", static_cast<double>(so_far.cpu.peak)}};
-      if (evaluated) metrics["eval/loss"] = last_eval;
-      engine.log(metrics, step + 1);
-      if (jsonl.is_open()) {
-        jsonl << fmt::format("{{\"step\": {}, \"loss\": {:.6f}, \"grad_norm\": {:.6g}, \"step_s\": {:.4f}, "
-                             "\"tokens_per_s\": {:.1f}, \"skipped\": {}, \"model_state_bytes\": {}, "
-                             "\"gathered_peak_bytes\": {}, \"offload_host_bytes\": {}, \"offload_disk_bytes\": {}, "
-                             "\"rss_bytes\": {}, \"peak_rss_bytes\": {}{}{}}}\n",
-                             step, loss, engine.last_grad_norm(), seconds, tokens_per_s,
-                             engine.optimizer_step_was_skipped() ? "true" : "false", mem.model_states(),
-                             mem.gathered_peak, mem.offload_host, mem.offload_disk, so_far.cpu.end, so_far.cpu.peak,
-                             so_far.device.measured ? fmt::format(", \"device_peak_bytes\": {}", so_far.device.peak) : "",
-                             evaluated ? fmt::format(", \"eval_loss\": {:.6f}", last_eval) : "");
-        if (!jsonl.flush()) throw zeal::Error(fmt::format("--log_jsonl: writing {} failed (disk full?)", log_jsonl));
-      }
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-      const double eta = elapsed / static_cast<double>(step + 1 - first_step) * static_cast<double>(steps - step - 1);
-      bar.update(step + 1, loss, tokens_per_s, seconds, eta,
-                 fmt::format(" | peak RSS {}{}", zeal::format_bytes(static_cast<double>(so_far.cpu.peak)),
-                             engine.zero_stage() == 3 ? fmt::format(", gathered {}", zeal::format_bytes(mem.gathered_peak)) : ""));
-      if (!save_dir.empty() && ((save_every > 0 && (step + 1) % save_every == 0) || step + 1 == steps)) {
-        loop->step = step + 1;
-        const std::string saved = engine.save_state(fmt::format("{}/step_{}", save_dir, step + 1));
-        bar.line("zeal: saved " + saved);
-      }
-    }
-    bar.finish();
+    trainer.add_callback(std::make_shared<RunLog>(engine, &jsonl, log_jsonl, seq_len, eval_every > 0));
+    trainer.train();
     engine.end_training();
-    const zeal::PhaseMemory train_mem = train_phase.end(false);
-    if (engine.is_main_process()) {
-      for (const auto& l : train_mem.lines()) engine.print(l);
-      if (!evals.empty()) {
-        for (const auto& l : evals.back().lines()) engine.print(l);
-      }
-      std::string parts;
-      for (const auto& p : train_mem.breakdown()) {
-        if (p.bytes == 0) continue;
-        parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", p.name, zeal::format_bytes(static_cast<double>(p.bytes)));
-      }
-      engine.print(fmt::format("zeal: train peak resident set {} (rank 0) = {}", zeal::format_bytes(static_cast<double>(train_mem.cpu.peak)),
-                               parts));
-      if (train_mem.engine.offload_disk > 0) {
-        engine.print(fmt::format("zeal: on disk: {} (offloaded optimizer state, gradients, parameters)", zeal::format_bytes(static_cast<double>(train_mem.engine.offload_disk))));
-      }
-    }
   } catch (const std::exception& e) {
     return zeal_examples::report_failure("train_gpt", e);
   }

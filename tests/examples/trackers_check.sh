@@ -22,7 +22,7 @@ cat >"$work/ds.json" <<JSON
 }
 JSON
 "$zeal" launch --num_processes 2 --config_file "$work/ds.json" --main_process_port 29567 "$train_gpt" --model tiny \
-  --steps $steps --seq_len 32 --micro_batch 2 --data README.md --lr 1e-3 --eval_every 4 --log_jsonl "$work/train.jsonl" \
+  --steps $steps --seq_len 32 --micro_batch 2 --data README.md --lr 1e-3 --eval_every 4 --log_every 1 --log_jsonl "$work/train.jsonl" \
   >"$work/run.log" 2>&1 || { tail -20 "$work/run.log"; echo "FAIL: the run failed"; exit 1; }
 grep -q "zeal: trackers: tensorboard in $work/ds/job, csv in $work/ds/job, jsonl in $work/runs/train_gpt" "$work/run.log" ||
   { grep trackers "$work/run.log"; echo "FAIL: the trackers were not announced"; exit 1; }

@@ -38,7 +38,7 @@ said=$("$zeal" launch --num_processes 2 --main_process_port 29539 "$train_gpt" -
 grep -q '^\[rank 0\] zeal: zero_optimization.unit_names (fsdp_transformer_layer_cls_to_wrap) \[Block\] is not applied' <<<"$said" ||
   { echo "FAIL: an FSDP file's unit names are not said to be unapplied: $said" >&2; exit 1; }
 # steps_per_print (DeepSpeed's default 10): rank 0's progress line at steps 10, 20, 30 and 40 only.
-[ "$(grep -c '^\[rank 0\] zeal: step=[0-9]*, skipped=0, lr=\[[0-9.e-]*\], grad_norm=[0-9.e+-]*$' "$out")" -eq 4 ] &&
+[ "$(grep -c '^\[rank 0\] zeal: step=[0-9]*, skipped=0, lr=\[[0-9.e, -]*\], grad_norm=[0-9.e+-]*$' "$out")" -eq 4 ] &&
   grep -q '^\[rank 0\] zeal: step=40, ' "$out" && ! grep -q '^\[rank 1\] zeal: step=' "$out" ||
   { echo "FAIL: not four progress lines from rank 0 at steps 10-40:" >&2; grep 'zeal: step=' "$out" >&2; exit 1; }
 # The memory report: PEFT's four CPU lines for the train phase, whole MB, total = before + peak.
@@ -57,17 +57,17 @@ last=$(tail -n 5 "$log" | sed 's/.*"loss": \([0-9.]*\).*/\1/' | awk '{s+=$1} END
 awk -v a="$first" -v b="$last" 'BEGIN { exit !(b <= a - 0.5) }' ||
   { echo "FAIL: loss went from $first to $last" >&2; exit 1; }
 grep -q '"gathered_peak_bytes": [1-9]' "$log" || { echo "FAIL: no gathered bytes logged" >&2; exit 1; }
-# Checkpoints: the run saved after steps 10, 20, 30, 40 (latest: step_40). Resumed from step_10 on
+# Checkpoints: the run saved after steps 10, 20, 30, 40 (latest: checkpoint-40). Resumed from checkpoint-10 on
 # the same 2 ranks, steps 11-20 give the same losses to the last digit; on 1 rank (twice the micro
 # batch: the same samples per step) within 1e-3.
-[ "$(cat "$ckpt/latest")" = step_40 ] || { echo "FAIL: latest is '$(cat "$ckpt/latest")', not step_40" >&2; exit 1; }
+[ "$(cat "$ckpt/latest")" = checkpoint-40 ] || { echo "FAIL: latest is '$(cat "$ckpt/latest")', not checkpoint-40" >&2; exit 1; }
 losses() { sed 's/.*"loss": \([0-9.]*\).*/\1/' "$1"; }
 "$zeal" launch --num_processes 2 --main_process_port 29536 "$train_gpt" --config_file "$config" --model tiny --steps 20 --seq_len 32 --micro_batch 8 \
-  --data README.md docs/*.md --log_every 10 --log_jsonl "$resumed" --resume "$ckpt/step_10"
+  --data README.md docs/*.md --log_every 10 --log_jsonl "$resumed" --resume "$ckpt/checkpoint-10"
 [ "$(losses "$resumed")" = "$(losses "$log" | sed -n 11,20p)" ] ||
   { echo "FAIL: resumed at step 10, the losses differ:" >&2; paste <(losses "$log" | sed -n 11,20p) <(losses "$resumed") >&2; exit 1; }
 "$zeal" launch --num_processes 1 --main_process_port 29537 "$train_gpt" --config_file "$config" --model tiny --steps 20 --seq_len 32 --micro_batch 16 \
-  --data README.md docs/*.md --log_every 10 --log_jsonl "$resumed" --resume "$ckpt/step_10"
+  --data README.md docs/*.md --log_every 10 --log_jsonl "$resumed" --resume "$ckpt/checkpoint-10"
 paste <(losses "$log" | sed -n 11,20p) <(losses "$resumed") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-3) bad = 1 } END { exit bad }' ||
   { echo "FAIL: resumed on 1 rank, the losses differ:" >&2; paste <(losses "$log" | sed -n 11,20p) <(losses "$resumed") >&2; exit 1; }
 echo "PASS: resumed from step 10 on 2 ranks (same losses) and on 1 rank (within 1e-3)"
@@ -137,7 +137,7 @@ printf 'steps_per_print: 1\nfp16:\n  initial_scale_power: 30\n' > "$fp16/c.yaml"
 "$train_gpt" --config_file "$fp16/c.yaml" --mixed_precision fp16 --model tiny --steps 6 --seq_len 16 --micro_batch 2 \
   --data README.md --save_dir "$fp16/ck" --save_every 3 > "$fp16/whole" 2>&1
 "$train_gpt" --config_file "$fp16/c.yaml" --mixed_precision fp16 --model tiny --steps 6 --seq_len 16 --micro_batch 2 \
-  --data README.md --resume "$fp16/ck/step_3" > "$fp16/resumed" 2>&1
+  --data README.md --resume "$fp16/ck/checkpoint-3" > "$fp16/resumed" 2>&1
 whole=$(grep -o 'step=[0-9]*, skipped=[0-9]*' "$fp16/whole" | tail -n 3)
 resumed=$(grep -o 'step=[0-9]*, skipped=[0-9]*' "$fp16/resumed")
 rm -rf "$fp16"

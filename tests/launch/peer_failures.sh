@@ -37,7 +37,7 @@ rank_pid() {  # rank_pid LAUNCHER_PID RANK: the pid of the launcher's child with
 
 logged_a_step() {  # logged_a_step FILE...: every file shows a step line
   local f
-  for f in "$@"; do grep -q "step [0-9]*/[0-9]*: loss" "$f" 2>/dev/null || return 1; done
+  for f in "$@"; do grep -q "step [0-9]*/[0-9]*: " "$f" 2>/dev/null || return 1; done
 }
 
 run_case() {  # run_case MODE VICTIM SIGNAL STAGE

@@ -38,8 +38,8 @@ for k in $k1 $k2; do
     [ "$(grep -c "restarting every rank" "$work/killed.log")" -ge $kills ] && [ -n "$(pgrep -P "$launcher")" ] && break
     sleep 0.05
   done
-  for ((i = 0; i < 1200; i++)); do [ -e "$work/killed/step_$k" ] && break; sleep 0.05; done
-  [ -e "$work/killed/step_$k" ] || fail "the run never saved step $k"
+  for ((i = 0; i < 1200; i++)); do [ -e "$work/killed/checkpoint-$k" ] && break; sleep 0.05; done
+  [ -e "$work/killed/checkpoint-$k" ] || fail "the run never saved step $k"
   victims=($(pgrep -P "$launcher"))
   [ ${#victims[@]} -gt 0 ] || fail "no rank runs after step $k"
   victim=${victims[$((RANDOM % ${#victims[@]}))]}
@@ -56,8 +56,8 @@ restarts=$(grep -c "zeal launch: restarting every rank" "$work/killed.log")
 grep -q "restart 2 of 3) after rank [01] was killed by signal 9" "$work/killed.log" || fail "the restart does not name the killed rank"
 grep -q "resumed from" "$work/killed.log" || fail "the program did not resume from its checkpoint"
 
-"$zeal" consolidate "$work/plain/step_$steps" "$work/plain_out" >/dev/null || fail "consolidating the plain run"
-"$zeal" consolidate "$work/killed/step_$steps" "$work/killed_out" >/dev/null || fail "consolidating the killed run"
+"$zeal" consolidate "$work/plain/checkpoint-$steps" "$work/plain_out" >/dev/null || fail "consolidating the plain run"
+"$zeal" consolidate "$work/killed/checkpoint-$steps" "$work/killed_out" >/dev/null || fail "consolidating the killed run"
 cmp "$work/plain_out/model.safetensors" "$work/killed_out/model.safetensors" ||
   fail "the restarted run's parameters differ from the uninterrupted run's"
 echo "PASS: killed twice (after steps $k1 and $k2), restarted twice, bit-identical parameters after step $steps"
@@ -82,8 +82,8 @@ mkdir -p "$work/nvme"
   --seq_len 32 --micro_batch 2 --data README.md --save_every 1 --save_dir "$work/nvme_ckpt" --resume auto \
   >"$work/nvme.log" 2>&1 &
 launcher=$!
-for ((i = 0; i < 1200; i++)); do [ -e "$work/nvme_ckpt/step_3" ] && break; sleep 0.05; done
-[ -e "$work/nvme_ckpt/step_3" ] || fail "the NVMe run never saved step 3"
+for ((i = 0; i < 1200; i++)); do [ -e "$work/nvme_ckpt/checkpoint-3" ] && break; sleep 0.05; done
+[ -e "$work/nvme_ckpt/checkpoint-3" ] || fail "the NVMe run never saved step 3"
 victim=$(pgrep -P "$launcher" | head -1)
 [ -n "$victim" ] || fail "no rank of the NVMe run"
 kill -KILL "$victim"
