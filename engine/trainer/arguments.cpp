@@ -136,7 +136,13 @@ const std::vector<Field>& fields() {
       ZEAL_BOOL(load_best_model_at_end, "load the checkpoint with the best metric when training ends"),
       ZEAL_TEXT(metric_for_best_model, "the metric that picks the best checkpoint (default loss)"),
       Field{"greater_is_better", "bool", "whether a larger metric is better (default: false for a loss)",
-            [](Args& a, const std::string& s) { a.greater_is_better = to_bool(s); },
+            [](Args& a, const std::string& s) {
+              if (s.empty() || s == "null" || s == "None") {
+                a.greater_is_better.reset();
+              } else {
+                a.greater_is_better = to_bool(s);
+              }
+            },
             [](const Args& a) { return a.greater_is_better ? std::string(*a.greater_is_better ? "true" : "false") : ""; }},
       Field{"seed", "int", "the data order's and at::manual_seed's seed",
             [](Args& a, const std::string& s) { a.seed = static_cast<uint64_t>(to_int(s, 0, kMax)); },
@@ -207,7 +213,7 @@ std::string TrainingArguments::best_metric_key() const {
 bool TrainingArguments::best_is_greater() const {
   if (greater_is_better) return *greater_is_better;
   const std::string k = best_metric_key();
-  return !(k == "eval_loss" || (k.size() >= 5 && k.compare(k.size() - 5, 5, "_loss") == 0));
+  return !(k.size() >= 4 && k.compare(k.size() - 4, 4, "loss") == 0);  // Hugging Face's: ends with "loss"
 }
 
 void TrainingArguments::set(const std::string& name, const std::string& value, const std::string& where) {
@@ -250,7 +256,9 @@ void TrainingArguments::validate() const {
   if (!problems.empty()) throw ConfigError(problems);
 }
 
-TrainingArguments TrainingArguments::from_file(const std::string& path) {
+TrainingArguments TrainingArguments::from_file(const std::string& path) { return from_file(path, TrainingArguments{}); }
+
+TrainingArguments TrainingArguments::from_file(const std::string& path, const TrainingArguments& defaults) {
   YAML::Node root;
   try {
     root = YAML::LoadFile(path);
@@ -259,7 +267,7 @@ TrainingArguments TrainingArguments::from_file(const std::string& path) {
   } catch (const YAML::Exception& e) {
     throw Error(fmt::format("training arguments: {} is not YAML or JSON: {}", path, e.what()));
   }
-  TrainingArguments a;
+  TrainingArguments a = defaults;
   if (root.IsNull()) return a;
   if (!root.IsMap()) throw Error(fmt::format("training arguments: {} must hold name: value pairs", path));
   std::vector<std::string> problems;
@@ -287,17 +295,24 @@ TrainingArguments TrainingArguments::from_file(const std::string& path) {
 
 TrainingArguments TrainingArguments::parse(int argc, const char* const* argv, std::vector<std::string>* rest,
                                            const TrainingArguments& defaults) {
-  // The file first (wherever --training_args stands), then the flags over it.
+  // The file first (wherever --training_args stands) over the program's defaults, then the flags.
   TrainingArguments a = defaults;
+  std::string file;
   for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
+    std::string f;
     if (s == "--training_args") {
       if (i + 1 >= argc) throw Error("--training_args needs a file");
-      a = from_file(argv[i + 1]);
+      f = argv[i + 1];
     } else if (s.rfind("--training_args=", 0) == 0) {
-      a = from_file(s.substr(16));
+      f = s.substr(16);
+    } else {
+      continue;
     }
+    if (!file.empty()) throw Error(fmt::format("--training_args is given twice ({} and {}): give one file", file, f));
+    file = f;
   }
+  if (!file.empty()) a = from_file(file, defaults);
   for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
     if (s == "--training_args" || s.rfind("--training_args=", 0) == 0) {
@@ -319,9 +334,16 @@ TrainingArguments TrainingArguments::parse(int argc, const char* const* argv, st
     }
     if (!has_value) {
       const bool next_is_value = i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0;
-      if (std::string(f->type) == "bool" && !(next_is_value && (std::string(argv[i + 1]) == "true" ||
-                                                                 std::string(argv[i + 1]) == "false"))) {
-        value = "true";
+      bool next_is_bool = false;
+      if (next_is_value) {
+        try {
+          (void)to_bool(argv[i + 1]);
+          next_is_bool = true;
+        } catch (const std::invalid_argument&) {
+        }
+      }
+      if (std::string(f->type) == "bool" && !next_is_bool) {
+        value = "true";  // a bare boolean flag
       } else if (next_is_value) {
         value = argv[++i];
       } else if (std::string(f->type) == "str" || std::string(f->type) == "list") {

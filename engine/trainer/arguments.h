@@ -71,8 +71,9 @@ struct TrainingArguments {
   // every problem.
   void validate() const;
 
-  // A YAML or JSON file of name: value pairs.
+  // A YAML or JSON file of name: value pairs, over Hugging Face's defaults or the program's.
   static TrainingArguments from_file(const std::string& path);
+  static TrainingArguments from_file(const std::string& path, const TrainingArguments& defaults);
   // `--name value` and `--name=value` flags (a bare boolean flag means true), and one
   // `--training_args FILE` whose values the flags then override, over `defaults` (the program's).
   // What is not an argument's flag is left, in order, in `rest` (the program's own flags,

@@ -91,17 +91,20 @@ class TrainerCore {
     int64_t train_batches = 0;  // per rank per epoch
     int64_t train_samples = 0;  // per epoch, all ranks
   };
-  void prepare_once(const std::function<Sizes()>& prepare_loaders,
+  void prepare_once(bool has_eval, const std::function<Sizes()>& prepare_loaders,
                     const std::function<void(torch::optim::Optimizer*, std::shared_ptr<optim::LrSchedule>)>& prepare_model);
   bool begin_train();  // false: nothing left to train
   void begin_epoch(int64_t epoch);
   // A micro-step's local loss (detached) and the tokens and samples it saw on this rank.
   void micro_step(const at::Tensor& loss, int64_t tokens, int64_t samples);
-  // After a sync micro-step: the step's log, evaluation, save, callbacks; true when training ends.
+  // After a sync micro-step: the step's log, evaluation, save, callbacks; true when the epoch ends
+  // here (training stops, or a callback ends the epoch).
   bool after_step(int64_t epoch);
-  bool end_epoch(int64_t epoch);  // true when training ends
+  // `finished`: the loader ran to the epoch's end (a stop may leave it before). True when training ends.
+  bool end_epoch(int64_t epoch, bool finished);
   TrainOutput end_train();
   int64_t epochs_to_run() const { return state_.num_train_epochs; }
+  bool training_stops() const { return control_.should_training_stop; }
 
   // The evaluation loop over the prepared evaluation loader (the template's), with the loss and
   // what to gather for each batch.
@@ -128,14 +131,21 @@ class TrainerCore {
   void say(const std::string& line);
   void maybe_log_save_evaluate();
   void save_checkpoint();
-  void rotate_checkpoints();
+  void rotate_checkpoints(const std::string& just_saved);
   void update_best(const Metrics& metrics);
   void load_best();
   std::string resume_dir() const;
 
-  TrainerState state_;
+  // The state and the callbacks, shared with the engine's checkpoints (which may outlive the Trainer).
+  struct Shared {
+    TrainerState state;
+    std::vector<std::shared_ptr<TrainerCallback>> callbacks;
+  };
+  std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
+  TrainerState& state_ = shared_->state;
+  std::vector<std::shared_ptr<TrainerCallback>>& callbacks_ = shared_->callbacks;
   TrainerControl control_;
-  std::vector<std::shared_ptr<TrainerCallback>> callbacks_;
+  bool track_best_ = false;  // metric_for_best_model, load_best_model_at_end or early stopping asks for it
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   std::shared_ptr<optim::LrSchedule> schedule_;
   std::unique_ptr<PreparedOptimizer> prepared_optimizer_;
@@ -191,7 +201,8 @@ class Trainer : public detail::TrainerCore {
   Trainer(Engine& engine, const Model& model, TrainingArguments args, Dataset train_dataset,
           std::type_identity_t<std::optional<Dataset>> eval_dataset = std::nullopt)
       : TrainerCore(engine, as_module(model), std::move(args)) {
-    step_ = wrap([model](const Batch& b) { return model->forward(b); });
+    auto impl = as_impl(model);
+    step_ = wrap([impl](const Batch& b) { return impl->forward(b); });
     make_loaders(std::move(train_dataset), std::move(eval_dataset));
   }
 
@@ -200,7 +211,7 @@ class Trainer : public detail::TrainerCore {
     if (!begin_train()) return end_train();
     for (int64_t epoch = state().epochs_completed; epoch < epochs_to_run(); ++epoch) {
       begin_epoch(epoch);
-      bool stop = false;
+      bool finished = true;
       for (auto it = train_->begin(); it != train_->end(); ++it) {
         const Batch& batch = *it;
         {
@@ -217,12 +228,21 @@ class Trainer : public detail::TrainerCore {
           optimizer().zero_grad();
         }
         if (engine_.sync_gradients() && after_step(epoch)) {
-          stop = true;
+          if (training_stops()) {
+            // Left early: the epoch is finished only if that was its last batch (comparing with
+            // the end then closes the loader's epoch, as running to the end would have).
+            ++it;
+            finished = it == train_->end();
+          } else {
+            // A callback ended the epoch: the loader's epoch is closed without reading the rest.
+            for (++it; it != train_->end(); ++it) {
+            }
+          }
           break;
         }
       }
       // As Hugging Face's loop: the epoch's end (its evaluation and save) comes even after a stop.
-      if (end_epoch(epoch) || stop) break;
+      if (end_epoch(epoch, finished)) break;
     }
     return end_train();
   }
@@ -238,7 +258,7 @@ class Trainer : public detail::TrainerCore {
   // values. Collective.
   PredictionOutput predict(Dataset dataset) {
     ensure_prepared();
-    Loader loader(std::move(dataset), {.batch_size = args_.per_device_eval_batch_size});
+    Loader loader(std::move(dataset), {.batch_size = args_.per_device_eval_batch_size}, collate_);
     loader = engine_.prepare(loader);
     PredictionOutput out;
     std::vector<at::Tensor> losses, preds, labels;
@@ -267,6 +287,15 @@ class Trainer : public detail::TrainerCore {
       return m;
     }
   }
+  // The model's own class (its forward), shared.
+  template <class Model>
+  static auto as_impl(const Model& m) {
+    if constexpr (ModuleHolderLike<Model>) {
+      return m.ptr();
+    } else {
+      return m;
+    }
+  }
   template <class F>
   static StepFn wrap(F f) {
     return [f = std::move(f)](const Batch& b) -> StepOutput {
@@ -286,7 +315,7 @@ class Trainer : public detail::TrainerCore {
   void ensure_prepared() {
     if (prepared_) return;
     prepare_once(
-        [&] {
+        eval_set_.has_value(), [&] {
           // The micro-batch is known only now (the arguments or the config's).
           LoaderOptions t;
           t.batch_size = engine_.config().train_micro_batch_size_per_gpu.value;

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <set>
+#include <typeinfo>
 #include <unordered_set>
 
 #include "engine/memory_tracker.h"
@@ -72,6 +73,28 @@ at::Tensor concat_padded(const std::vector<at::Tensor>& parts) {
   return at::cat(padded);
 }
 
+// Each callback's state under its type's name ("<type>\n<state>"), so that a callback gets its own
+// back whatever the others are.
+std::vector<std::string> callback_states(const std::vector<std::shared_ptr<TrainerCallback>>& callbacks) {
+  std::vector<std::string> out;
+  for (const auto& cb : callbacks) out.push_back(std::string(typeid(*cb).name()) + "\n" + cb->state());
+  return out;
+}
+
+void load_callback_states(const std::vector<std::shared_ptr<TrainerCallback>>& callbacks, const std::vector<std::string>& states) {
+  std::vector<bool> used(states.size(), false);
+  for (const auto& cb : callbacks) {
+    const std::string type = typeid(*cb).name();
+    for (size_t i = 0; i < states.size(); ++i) {
+      const size_t nl = states[i].find('\n');
+      if (used[i] || nl == std::string::npos || states[i].compare(0, nl, type) != 0) continue;
+      used[i] = true;
+      cb->load_state(states[i].substr(nl + 1));
+      break;
+    }
+  }
+}
+
 }  // namespace
 
 // What one train() call keeps between steps.
@@ -91,26 +114,23 @@ struct TrainerCore::Loop {
 };
 
 // The Trainer's state in the engine's checkpoints.
+template <class Shared>
 class TrainerStateObject : public Checkpointable {
  public:
-  TrainerStateObject(TrainerState* s, std::vector<std::shared_ptr<TrainerCallback>>* c) : state_(s), callbacks_(c) {}
+  explicit TrainerStateObject(std::shared_ptr<Shared> s) : s_(std::move(s)) {}
   std::string state_dict() const override {
-    state_->callback_states.clear();
-    for (const auto& cb : *callbacks_) state_->callback_states.push_back(cb->state());
-    return state_->to_json();
+    s_->state.callback_states = callback_states(s_->callbacks);
+    return s_->state.to_json();
   }
   void load_state_dict(const std::string& text) override {
-    const bool zero = state_->is_world_process_zero;
-    *state_ = TrainerState::from_json(text);
-    state_->is_world_process_zero = zero;
-    for (size_t i = 0; i < callbacks_->size() && i < state_->callback_states.size(); ++i) {
-      (*callbacks_)[i]->load_state(state_->callback_states[i]);
-    }
+    const bool zero = s_->state.is_world_process_zero;
+    s_->state = TrainerState::from_json(text);
+    s_->state.is_world_process_zero = zero;
+    load_callback_states(s_->callbacks, s_->state.callback_states);
   }
 
  private:
-  TrainerState* state_;
-  std::vector<std::shared_ptr<TrainerCallback>>* callbacks_;
+  std::shared_ptr<Shared> s_;
 };
 
 TrainerCore::TrainerCore(Engine& engine, std::shared_ptr<torch::nn::Module> model, TrainingArguments args)
@@ -157,15 +177,39 @@ void TrainerCore::resolve_engine_settings() {
     if (!config_set || v != config_value) set.push_back({key, fmt::format("{}", v), program(arg)});
   };
   const auto& micro = c.train_micro_batch_size_per_gpu;
-  decide("per_device_train_batch_size", args_.per_device_train_batch_size,
-         !micro.is_auto && micro.value > 0 && given("train_micro_batch_size_per_gpu"), micro.value, int64_t{8},
-         "train_micro_batch_size_per_gpu");
   const auto& accum = c.gradient_accumulation_steps;
-  decide("gradient_accumulation_steps", args_.gradient_accumulation_steps,
-         !accum.is_auto && given("gradient_accumulation_steps"), accum.value, int64_t{1}, "gradient_accumulation_steps");
+  const auto& total = c.train_batch_size;
+  const bool accum_set = !accum.is_auto && given("gradient_accumulation_steps");
+  const bool total_set = !total.is_auto && total.value > 0 && given("train_batch_size");
+  // The micro-batch: the argument's, the config's, one a config's train_batch_size implies
+  // (over the accumulation and the ranks, as DeepSpeed derives it), or Hugging Face's 8.
+  int64_t implied = 8;
+  if (total_set) {
+    const int64_t a = args_.gradient_accumulation_steps.value_or(accum_set ? accum.value : 1);
+    const int64_t per = a * engine_.num_processes();
+    if (total.value % per == 0) implied = total.value / per;
+  }
+  decide("per_device_train_batch_size", args_.per_device_train_batch_size,
+         !micro.is_auto && micro.value > 0 && given("train_micro_batch_size_per_gpu"), micro.value, implied,
+         "train_micro_batch_size_per_gpu");
+  // The accumulation only when the arguments give it: otherwise the config's (its default is Hugging
+  // Face's 1; "auto" derives it from train_batch_size).
+  if (args_.gradient_accumulation_steps) {
+    decide("gradient_accumulation_steps", args_.gradient_accumulation_steps, accum_set, accum.value, int64_t{1},
+           "gradient_accumulation_steps");
+  } else if (accum.is_auto) {
+    // Resolved now (the Trainer counts its steps before prepare): train_batch_size over the
+    // micro-batch and the ranks, else 1.
+    const bool micro_set = !micro.is_auto && micro.value > 0 && given("train_micro_batch_size_per_gpu");
+    const int64_t m = args_.per_device_train_batch_size.value_or(micro_set ? micro.value : implied);
+    const int64_t a = total_set ? std::max<int64_t>(1, total.value / (m * engine_.num_processes())) : 1;
+    set.push_back({"gradient_accumulation_steps", std::to_string(a), program("gradient_accumulation_steps")});
+  }
   const auto& clip = c.gradient_clipping;
-  decide("max_grad_norm", args_.max_grad_norm, !clip.is_auto && given("gradient_clipping"), clip.value, 1.0,
-         "gradient_clipping");
+  if (args_.max_grad_norm || !clip.is_auto) {
+    decide("max_grad_norm", args_.max_grad_norm, !clip.is_auto && given("gradient_clipping"), clip.value, 1.0,
+           "gradient_clipping");
+  }
   if (!problems.empty()) throw ConfigError(problems);
   // A config optimizer's "auto" values from the arguments, as Hugging Face fills DeepSpeed's.
   if (c.optimizer.lr.is_auto) set.push_back({"optimizer.params.lr", fmt::format("{}", args_.learning_rate), program("learning_rate")});
@@ -256,11 +300,17 @@ std::shared_ptr<optim::LrSchedule> TrainerCore::make_schedule(int64_t total_step
   return std::make_shared<optim::HfSchedule>(args_.lr_scheduler_type, lr, warmup, total_steps);
 }
 
-void TrainerCore::prepare_once(const std::function<Sizes()>& prepare_loaders,
+void TrainerCore::prepare_once(bool has_eval, const std::function<Sizes()>& prepare_loaders,
                                const std::function<void(torch::optim::Optimizer*, std::shared_ptr<optim::LrSchedule>)>& prepare_model) {
-  resolve_engine_settings();
   check_same_arguments();
+  resolve_engine_settings();
+  // What would stop the run at its first evaluation or save is found now.
+  if (args_.eval_strategy != "no" && !has_eval) {
+    throw Error(fmt::format("eval_strategy {} needs an evaluation dataset (the Trainer's eval_dataset)", args_.eval_strategy));
+  }
   if (args_.save_strategy != "no") check_output_dir(args_.output_dir, "output_dir");
+  track_best_ = args_.load_best_model_at_end || !args_.metric_for_best_model.empty();
+  for (const auto& cb : callbacks_) track_best_ = track_best_ || dynamic_cast<EarlyStoppingCallback*>(cb.get()) != nullptr;
   const Sizes sizes = prepare_loaders();
   if (sizes.train_batches <= 0) {
     throw Error(fmt::format("zeal::Trainer: the training dataset ({} samples) gives each of the {} ranks no batch of {}",
@@ -296,7 +346,7 @@ void TrainerCore::prepare_once(const std::function<Sizes()>& prepare_loaders,
   if (schedule_) engine_.keep_alive(schedule_);
   prepare_model(optimizer_.get(), schedule_);
   prepared_optimizer_ = std::make_unique<PreparedOptimizer>(&engine_);
-  engine_.register_for_checkpointing(std::make_shared<TrainerStateObject>(&state_, &callbacks_));
+  engine_.register_for_checkpointing(std::make_shared<TrainerStateObject<Shared>>(shared_));
   prepared_ = true;
 }
 
@@ -392,8 +442,7 @@ bool TrainerCore::after_step(int64_t epoch) {
   ++state_.global_step;
   state_.epoch = static_cast<double>(epoch) +
                  static_cast<double>(state_.global_step - epoch * state_.steps_per_epoch) / static_cast<double>(state_.steps_per_epoch);
-  for (auto& cb : callbacks_) cb->on_step_end(args_, state_, control_);
-  // Hugging Face's DefaultFlowCallback.
+  // Hugging Face's DefaultFlowCallback first, then the callbacks (which may change its choices).
   const int64_t g = state_.global_step;
   const int64_t eval_steps = args_.eval_steps > 0 ? args_.eval_steps : args_.logging_steps;
   if ((args_.logging_strategy == "steps" && g % args_.logging_steps == 0) || (args_.logging_first_step && g == 1)) {
@@ -405,6 +454,7 @@ bool TrainerCore::after_step(int64_t epoch) {
     control_.should_training_stop = true;
     if (args_.save_strategy == "steps") control_.should_save = true;
   }
+  for (auto& cb : callbacks_) cb->on_step_end(args_, state_, control_);
   maybe_log_save_evaluate();
   const double elapsed = seconds_since(L.start);
   const double eta = elapsed / static_cast<double>(g - L.first_step) * static_cast<double>(state_.max_steps - g);
@@ -415,12 +465,15 @@ bool TrainerCore::after_step(int64_t epoch) {
   return control_.should_training_stop || control_.should_epoch_stop;
 }
 
-bool TrainerCore::end_epoch(int64_t epoch) {
-  state_.epochs_completed = epoch + 1;
-  for (auto& cb : callbacks_) cb->on_epoch_end(args_, state_, control_);
+
+bool TrainerCore::end_epoch(int64_t epoch, bool finished) {
+  // An epoch a stop left early stays the current one: a resumed run goes on inside it, where its
+  // loader stands.
+  state_.epochs_completed = finished ? epoch + 1 : epoch;
   if (args_.logging_strategy == "epoch") control_.should_log = true;
   if (args_.eval_strategy == "epoch") control_.should_evaluate = true;
   if (args_.save_strategy == "epoch") control_.should_save = true;
+  for (auto& cb : callbacks_) cb->on_epoch_end(args_, state_, control_);
   // The epoch's memory, in the lines PEFT's examples print (before, consumed, peak, total peak).
   if (loop_->epoch_memory) {
     const PhaseMemory m = loop_->epoch_memory->end(false);
@@ -542,10 +595,10 @@ Metrics TrainerCore::evaluate_now() {
 }
 
 void TrainerCore::update_best(const Metrics& metrics) {
+  if (!track_best_) return;
   const std::string key = args_.best_metric_key();
   auto it = metrics.find(key);
   if (it == metrics.end()) {
-    if (!args_.load_best_model_at_end && args_.metric_for_best_model.empty()) return;
     std::string names;
     for (const auto& [k, v] : metrics) names += (names.empty() ? "" : ", ") + k;
     throw Error(fmt::format("metric_for_best_model: the evaluation has no metric {}; it has {}", key, names));
@@ -563,7 +616,7 @@ void TrainerCore::save_checkpoint() {
   engine_.save_state(dir);
   if (engine_.is_main_process()) {
     write_file_whole((fs::path(dir) / "trainer_state.json").string(), state_.to_json(), "trainer_state.json");
-    rotate_checkpoints();
+    rotate_checkpoints(dir);
   }
   engine_.wait_for_everyone();
   loop_->last_saved = state_.global_step;
@@ -572,7 +625,7 @@ void TrainerCore::save_checkpoint() {
 }
 
 // Hugging Face's rotation: the oldest beyond save_total_limit go, never the best nor the newest.
-void TrainerCore::rotate_checkpoints() {
+void TrainerCore::rotate_checkpoints(const std::string& just_saved) {
   if (args_.save_total_limit <= 0) return;
   std::vector<std::pair<int64_t, fs::path>> found;
   for (const auto& e : fs::directory_iterator(args_.output_dir)) {
@@ -584,7 +637,9 @@ void TrainerCore::rotate_checkpoints() {
   }
   std::sort(found.begin(), found.end());
   std::vector<fs::path> sorted;
-  for (auto& f : found) sorted.push_back(f.second);
+  for (auto& f : found)
+    if (f.second != fs::path(just_saved)) sorted.push_back(f.second);
+  sorted.push_back(just_saved);  // the newest, whatever an earlier run left with higher numbers
   int64_t limit = args_.save_total_limit;
   if (!state_.best_model_checkpoint.empty()) {
     auto it = std::find(sorted.begin(), sorted.end(), fs::path(state_.best_model_checkpoint));
@@ -607,13 +662,12 @@ void TrainerCore::rotate_checkpoints() {
 
 void TrainerCore::load_best() {
   const TrainerState kept = state_;
-  std::vector<std::string> callback_states;
-  for (const auto& cb : callbacks_) callback_states.push_back(cb->state());
+  const std::vector<std::string> states = callback_states(callbacks_);
   engine_.print(fmt::format("zeal: loading the best model from {} ({} {:.6g}, step {})", state_.best_model_checkpoint,
                             args_.best_metric_key(), state_.best_metric.value_or(0), state_.best_global_step));
   engine_.load_state(state_.best_model_checkpoint);
   state_ = kept;
-  for (size_t i = 0; i < callbacks_.size(); ++i) callbacks_[i]->load_state(callback_states[i]);
+  load_callback_states(callbacks_, states);
 }
 
 TrainOutput TrainerCore::end_train() {
@@ -623,7 +677,14 @@ TrainOutput TrainerCore::end_train() {
   L.bar.finish();
   if (args_.load_best_model_at_end && !state_.best_model_checkpoint.empty()) {
     std::error_code ec;
-    if (fs::exists(state_.best_model_checkpoint, ec)) load_best();
+    if (fs::exists(state_.best_model_checkpoint, ec)) {
+      load_best();
+    } else {
+      say(fmt::format("zeal: warning: the best checkpoint {} is gone; the model stays the last step's",
+                      state_.best_model_checkpoint));
+    }
+  } else if (args_.load_best_model_at_end) {
+    say("zeal: warning: no checkpoint was saved at an evaluation's step; the model stays the last step's");
   }
   for (auto& cb : callbacks_) cb->on_train_end(args_, state_, control_);
   const double runtime = seconds_since(L.start);
@@ -634,7 +695,7 @@ TrainOutput TrainerCore::end_train() {
                  {"train_steps_per_second", static_cast<double>(L.total_steps) / std::max(runtime, 1e-9)},
                  {"train_loss", out.training_loss},
                  {"epoch", state_.epoch}};
-  engine_.print(format_logs(out.metrics));
+  log(out.metrics);
   loop_.reset();
   return out;
 }

@@ -117,7 +117,9 @@ int main(int argc, char** argv) {
   args.weight_decay = 0.01;
   args.save_total_limit = 2;
   args.run_name = "classify";
-  if (auto code = zeal_examples::parse_trainer_flags(app, argc, argv, "classify", args)) return *code;
+  // The evaluation batch: twice the training batch unless --per_device_eval_batch_size says otherwise.
+  auto eval_batch = [&](zeal::TrainingArguments& a) { a.per_device_eval_batch_size = 2 * batch; };
+  if (auto code = zeal_examples::parse_trainer_flags(app, argc, argv, "classify", args, eval_batch)) return *code;
   // The program's short names, where given, over everything else.
   auto given = [&](const char* flag) { return app.count(flag) > 0; };
   if (given("--epochs")) args.num_train_epochs = epochs;
@@ -129,7 +131,6 @@ int main(int argc, char** argv) {
   if (given("--batch_size") || (!args.per_device_train_batch_size && config->train_micro_batch_size_per_gpu.value <= 0)) {
     args.per_device_train_batch_size = batch;
   }
-  args.per_device_eval_batch_size = 2 * args.per_device_train_batch_size.value_or(batch);
   try {
     zeal::Engine engine(std::move(*config));
 

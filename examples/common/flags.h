@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
@@ -60,8 +61,11 @@ inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv, cons
 // (--learning_rate, --eval_strategy, …, --training_args FILE) over `args` (the program's
 // defaults), then the engine's. Returns the exit code when the program should end now (0 after
 // --help, 2 for a wrong flag, named).
+// `program_defaults`, when given, runs after the program's own flags are read and before the training
+// arguments' flags, to derive defaults from them.
 inline std::optional<int> parse_trainer_flags(CLI::App& app, int argc, char** argv, const char* program,
-                                              zeal::TrainingArguments& args) {
+                                              zeal::TrainingArguments& args,
+                                              const std::function<void(zeal::TrainingArguments&)>& program_defaults = {}) {
   app.footer("\n" + zeal::TrainingArguments::help() +
              "\nThe engine's config: --config_file FILE and the override flags (zeal config keys).");
   try {
@@ -74,6 +78,7 @@ inline std::optional<int> parse_trainer_flags(CLI::App& app, int argc, char** ar
     std::fprintf(stderr, "%s: %s (see --help)\n", program, e.what());
     return 2;
   }
+  if (program_defaults) program_defaults(args);
   std::vector<std::string> remaining = app.remaining(), rest;
   std::vector<const char*> v{program};
   for (const auto& r : remaining) v.push_back(r.c_str());

@@ -165,7 +165,9 @@ int main(int argc, char** argv) {
   args.save_total_limit = 1;
   args.run_name = "finetune_lora";
   args.output_dir = "";  // --out/checkpoints
-  if (auto code = zeal_examples::parse_trainer_flags(app, argc, argv, "finetune_lora", args)) return *code;
+  // The evaluation batch: twice the training batch unless --per_device_eval_batch_size says otherwise.
+  auto eval_batch = [&](zeal::TrainingArguments& a) { a.per_device_eval_batch_size = 2 * batch; };
+  if (auto code = zeal_examples::parse_trainer_flags(app, argc, argv, "finetune_lora", args, eval_batch)) return *code;
   auto given = [&](const char* flag) { return app.count(flag) > 0; };
   if (given("--epochs")) args.num_train_epochs = epochs;
   if (given("--lr")) args.learning_rate = lr;
@@ -183,7 +185,6 @@ int main(int argc, char** argv) {
   if (given("--batch_size") || (!args.per_device_train_batch_size && config->train_micro_batch_size_per_gpu.value <= 0)) {
     args.per_device_train_batch_size = batch;
   }
-  args.per_device_eval_batch_size = 2 * args.per_device_train_batch_size.value_or(batch);
   try {
     zeal::check_output_dir(out_dir, "--out");  // before the training it would hold the results of
     zeal::Engine engine(std::move(*config));

@@ -156,6 +156,8 @@ class RunLog : public zeal::TrainerCallback {
     if (!pending_.empty() && m.count("eval_loss")) pending_ += fmt::format(", \"eval_loss\": {:.6f}", m.at("eval_loss"));
     flush();
   }
+  // A checkpoint holds this step: its line is written now, before a failure could lose it.
+  void on_save(const Args&, const zeal::TrainerState&, zeal::TrainerControl&, const std::string&) override { flush(); }
   void on_train_end(const Args&, const zeal::TrainerState&, zeal::TrainerControl&) override {
     flush();
     if (!phase_) return;
@@ -238,7 +240,7 @@ int main(int argc, char** argv) {
       ->check(zeal_examples::non_negative());
   std::string save_dir, resume;
   int64_t save_every = 0;
-  app.add_option("--save_dir", save_dir, "save checkpoints here (D/step_<k>, D/latest)");
+  app.add_option("--save_dir", save_dir, "save checkpoints here (D/checkpoint-<k>, D/latest)");
   app.add_option("--save_every", save_every, "steps between checkpoints (0: after the last step only)")
       ->check(zeal_examples::non_negative());
   app.add_option("--resume", resume,

@@ -12,6 +12,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -20,6 +21,7 @@
 
 #include "engine/config/config.h"
 #include "engine/engine.h"
+#include "engine/error.h"
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
 #include "engine/trainer/trainer.h"
@@ -28,6 +30,18 @@
 namespace {
 
 namespace fs = std::filesystem;
+
+// zeal::spawn whose ranks turn a failed EXPECT (recorded only in the forked rank) into a failure the
+// parent sees.
+std::vector<zeal::RankResult> spawn_checked(const std::function<void(zeal::Runtime&)>& fn, int world) {
+  return zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        fn(rt);
+        if (::testing::Test::HasFailure()) throw zeal::Error("a check failed on this rank (see above)");
+      },
+      world);
+}
+
 using zeal_test::TinyGpt;
 using zeal_test::TinyGptOptions;
 
@@ -105,7 +119,7 @@ void trainer_equals_hand_loop(int stage, bool accumulation_in_config) {
           ? fmt::format(R"({{"zero_optimization": {{"stage": {}}}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5}})", stage)
           : fmt::format(R"({{"zero_optimization": {{"stage": {}}}}})", stage);
   const std::string a_out = temp("trainer_params"), b_out = temp("hand_params"), unused = temp("unused");
-  expect_ok(zeal::spawn(
+  expect_ok(spawn_checked(
       [&](zeal::Runtime& rt) {
         zeal::Engine engine(config(cfg), rt);
         at::manual_seed(11);
@@ -122,7 +136,7 @@ void trainer_equals_hand_loop(int stage, bool accumulation_in_config) {
         write_params(engine, model, a_out);
       },
       2));
-  expect_ok(zeal::spawn(
+  expect_ok(spawn_checked(
       [&](zeal::Runtime& rt) {
         zeal::Config c = config(cfg);
         if (!accumulation_in_config) {
@@ -171,6 +185,42 @@ void trainer_equals_hand_loop(int stage, bool accumulation_in_config) {
 TEST(Trainer, Stage0WithTheConfigsAccumulationMatchesAHandWrittenLoopBitForBit) { trainer_equals_hand_loop(0, true); }
 TEST(Trainer, Stage3WithTheArgumentsAccumulationMatchesAHandWrittenLoopBitForBit) { trainer_equals_hand_loop(3, false); }
 
+// A model whose forward takes the batch and returns the loss (no step function needed).
+struct LossGptImpl : torch::nn::Module {
+  LossGptImpl() : gpt(register_module("gpt", TinyGpt(TinyGptOptions{}))) {}
+  at::Tensor forward(const torch::data::Example<>& b) { return lm_loss(gpt, b); }
+  TinyGpt gpt;
+};
+TORCH_MODULE(LossGpt);
+
+TEST(Trainer, AModelWhoseForwardReturnsTheLossTrainsAsAStepFunctionDoes) {
+  const std::string a_out = temp("forward_params"), b_out = temp("step_params"), unused = temp("unused");
+  for (bool with_step : {false, true}) {
+    expect_ok(spawn_checked(
+        [&](zeal::Runtime& rt) {
+          zeal::Engine engine(config(R"({"zero_optimization": {"stage": 2}})"), rt);
+          at::manual_seed(11);
+          LossGpt model;
+          auto args = base_args(unused);
+          if (with_step) {
+            zeal::Trainer trainer(engine, model, args, Windows(22, 3), std::nullopt,
+                                  [&](const torch::data::Example<>& b) { return lm_loss(model->gpt, b); });
+            trainer.train();
+          } else {
+            zeal::Trainer trainer(engine, model, args, Windows(22, 3));
+            trainer.train();
+          }
+          write_params(engine, model->gpt, with_step ? b_out : a_out);
+        },
+        2));
+  }
+  const std::string a = read_file(a_out), b = read_file(b_out);
+  EXPECT_FALSE(a.empty());
+  EXPECT_TRUE(a == b);
+  fs::remove(a_out);
+  fs::remove(b_out);
+}
+
 // --- schedules against transformers -----------------------------------------------------------
 
 // Records every step's learning rates (each group's) as the engine gives them.
@@ -202,7 +252,7 @@ TEST(Trainer, SchedulesOnTwoGroupsMatchTransformers) {
   std::string json = "[";
   for (const auto& c : cases) {
     const std::string out = temp("rates");
-    expect_ok(zeal::spawn(
+    expect_ok(spawn_checked(
         [&](zeal::Runtime& rt) {
           zeal::Engine engine(config("{}"), rt);
           at::manual_seed(11);
@@ -284,7 +334,7 @@ std::set<std::string> checkpoints_in(const std::string& dir) {
 // trainer; `after` checks on the rank.
 void one_rank(const std::function<void(zeal::TrainingArguments&)>& setup,
               const std::function<void(zeal::Engine&, TinyGpt&, zeal::Trainer<Windows>&)>& run) {
-  expect_ok(zeal::spawn(
+  expect_ok(spawn_checked(
       [&](zeal::Runtime& rt) {
         zeal::Engine engine(config("{}"), rt);
         at::manual_seed(11);
@@ -439,6 +489,57 @@ TEST(Trainer, TheOldestCheckpointsGoBeyondTheLimit) {
         EXPECT_EQ(checkpoints_in(out), (std::set<std::string>{"checkpoint-4", "checkpoint-5"}));
       });
   fs::remove_all(out);
+  // Evaluations without metric_for_best_model keep no best checkpoint: the newest two stay.
+  one_rank(
+      [&](zeal::TrainingArguments& a) {
+        a.output_dir = out;
+        a.max_steps = 5;
+        a.eval_strategy = "steps";
+        a.eval_steps = 1;
+        a.save_strategy = "steps";
+        a.save_steps = 1;
+        a.save_total_limit = 2;
+      },
+      [&](zeal::Engine&, TinyGpt&, zeal::Trainer<Windows>& t) {
+        t.train();
+        EXPECT_EQ(checkpoints_in(out), (std::set<std::string>{"checkpoint-4", "checkpoint-5"}));
+        EXPECT_EQ(t.state().best_model_checkpoint, "");
+      });
+  fs::remove_all(out);
+  // A longer earlier run's checkpoint in the folder: the one just saved is never the one removed.
+  fs::create_directories(out + "/checkpoint-100");
+  one_rank(
+      [&](zeal::TrainingArguments& a) {
+        a.output_dir = out;
+        a.max_steps = 3;
+        a.save_strategy = "steps";
+        a.save_steps = 1;
+        a.save_total_limit = 1;
+      },
+      [&](zeal::Engine&, TinyGpt&, zeal::Trainer<Windows>& t) {
+        t.train();
+        EXPECT_TRUE(checkpoints_in(out).count("checkpoint-3"));
+        EXPECT_EQ(read_file(out + "/latest"), "checkpoint-3\n");
+      });
+  fs::remove_all(out);
+}
+
+// A callback that ends every epoch after its second step: the next epoch starts at its beginning.
+TEST(Trainer, ACallbackEndingAnEpochEndsOnlyThatEpoch) {
+  one_rank(
+      [&](zeal::TrainingArguments& a) { a.num_train_epochs = 3; },
+      [&](zeal::Engine&, TinyGpt&, zeal::Trainer<Windows>& t) {
+        struct EndEpoch : zeal::TrainerCallback {
+          int64_t in_epoch = 0;
+          void on_epoch_begin(const Args&, const zeal::TrainerState&, zeal::TrainerControl&) override { in_epoch = 0; }
+          void on_step_end(const Args&, const zeal::TrainerState&, zeal::TrainerControl& c) override {
+            if (++in_epoch == 2) c.should_epoch_stop = true;
+          }
+        };
+        t.add_callback(std::make_shared<EndEpoch>());
+        EXPECT_EQ(t.train().global_step, 6);
+        EXPECT_EQ(t.state().epochs_completed, 3);
+      });
 }
 
 void early_stopping_stops_at(std::vector<double> values, int64_t patience, double threshold, int64_t expected) {
@@ -466,20 +567,51 @@ TEST(Trainer, EarlyStoppingStopsAfterPatienceEvaluationsWithoutImprovement) {
   early_stopping_stops_at({0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0}, 1, 0.0, 10);
 }
 
+// predict: every rank's predictions in dataset order, the samples repeated to even out the last
+// batch left out; test_loss the mean over the samples.
+TEST(Trainer, PredictGathersEveryRanksPredictionsInDatasetOrder) {
+  const std::string unused = temp("unused");
+  expect_ok(spawn_checked(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(config("{}"), rt);
+        at::manual_seed(11);
+        TinyGpt model(TinyGptOptions{});
+        auto args = base_args(unused);
+        args.per_device_eval_batch_size = 2;
+        zeal::Trainer trainer(engine, model, args, Windows(8, 3), std::nullopt,
+                              [&](const torch::data::Example<>& b) {
+                                // The prediction is the input itself; the loss its first token.
+                                return zeal::StepOutput{b.data.select(1, 0).to(at::kFloat).mean(), b.data, b.target};
+                              });
+        const Windows test(7, 21);  // 7 samples on 2 ranks of 2: the last global batch is padded
+        const auto out = trainer.predict(test);
+        std::vector<at::Tensor> data, target;
+        for (size_t i = 0; i < test.size(); ++i) {
+          data.push_back(test.get(i).data);
+          target.push_back(test.get(i).target);
+        }
+        EXPECT_TRUE(out.predictions.equal(at::stack(data))) << out.predictions.sizes();
+        EXPECT_TRUE(out.label_ids.equal(at::stack(target)));
+        EXPECT_TRUE(out.metrics.count("test_loss"));
+        EXPECT_TRUE(out.metrics.count("test_runtime"));
+      },
+      2));
+}
+
 // --- resuming after SIGKILL ------------------------------------------------------------------
 
-TEST(Trainer, ResumesFromLatestAfterAKillToTheSameBits) {
+void resumes_after_a_kill(const std::string& save_strategy, int64_t kill_at, const std::string& latest) {
   const std::string out = temp("resume"), straight = temp("straight_params"), resumed = temp("resumed_params");
   fs::remove_all(out);
   auto run = [&](const std::string& resume, int64_t kill_at, const std::string& params_out) {
-    return zeal::spawn(
+    return spawn_checked(
         [&](zeal::Runtime& rt) {
           zeal::Engine engine(config(R"({"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2})"), rt);
           at::manual_seed(11);
           TinyGpt model(TinyGptOptions{});
           auto args = base_args(out);
           args.num_train_epochs = 3;
-          args.save_strategy = "steps";
+          args.save_strategy = save_strategy;
           args.save_steps = 2;
           args.resume_from_checkpoint = resume;
           zeal::Trainer trainer(engine, model, args, Windows(22, 3), std::nullopt,
@@ -499,11 +631,10 @@ TEST(Trainer, ResumesFromLatestAfterAKillToTheSameBits) {
   };
   expect_ok(run("", -1, straight));
   fs::remove_all(out);
-  // Killed in the middle of the second epoch, after the checkpoint of step 4.
-  const auto killed = run("", 5, resumed);
+  const auto killed = run("", kill_at, resumed);
   EXPECT_FALSE(killed[0].ok());
   EXPECT_EQ(killed[0].signal, SIGKILL);
-  EXPECT_EQ(read_file(out + "/latest"), "checkpoint-4\n");
+  EXPECT_EQ(read_file(out + "/latest"), latest + "\n");
   expect_ok(run("latest", -1, resumed));
   const std::string a = read_file(straight), b = read_file(resumed);
   EXPECT_FALSE(a.empty());
@@ -512,6 +643,12 @@ TEST(Trainer, ResumesFromLatestAfterAKillToTheSameBits) {
   fs::remove(straight);
   fs::remove(resumed);
 }
+
+// 3 steps per epoch. Killed in the middle of the second epoch after the checkpoint of step 4 (the
+// loader stands inside the epoch); killed at the second epoch's first step after the checkpoint of
+// the first epoch's end (the loader's next epoch).
+TEST(Trainer, ResumesFromLatestAfterAKillToTheSameBits) { resumes_after_a_kill("steps", 5, "checkpoint-4"); }
+TEST(Trainer, ResumesFromAnEpochsEndCheckpointAfterAKillToTheSameBits) { resumes_after_a_kill("epoch", 4, "checkpoint-3"); }
 
 // --- the arguments ---------------------------------------------------------------------------
 
@@ -539,6 +676,23 @@ TEST(TrainingArguments, ReadFromYamlJsonAndFlags) {
   EXPECT_TRUE(c.load_best_model_at_end);
   EXPECT_EQ(c.save_strategy, "epoch");
   EXPECT_EQ(rest, (std::vector<std::string>{"--dim", "64", "--config_file", "c.yaml"}));
+  // A file keeps the program's defaults it does not name; booleans take false, 0, no too.
+  zeal::TrainingArguments program;
+  program.output_dir = "program_out";
+  program.save_total_limit = 3;
+  const std::vector<std::string> argv2_s = {"prog", "--training_args=" + yaml, "--disable_tqdm", "false",
+                                            "--load_best_model_at_end", "0", "--dataloader_drop_last"};
+  std::vector<const char*> argv2;
+  for (const auto& s : argv2_s) argv2.push_back(s.c_str());
+  rest.clear();
+  auto d = zeal::TrainingArguments::parse(static_cast<int>(argv2.size()), argv2.data(), &rest, program);
+  EXPECT_EQ(d.output_dir, "program_out");
+  EXPECT_EQ(d.save_total_limit, 3);
+  EXPECT_DOUBLE_EQ(d.learning_rate, 2e-5);
+  EXPECT_FALSE(d.disable_tqdm);
+  EXPECT_FALSE(d.load_best_model_at_end);
+  EXPECT_TRUE(d.dataloader_drop_last);
+  EXPECT_TRUE(rest.empty());
   fs::remove(yaml);
   fs::remove(json);
 }
@@ -572,7 +726,7 @@ TEST(TrainingArguments, WrongOnesAreNamed) {
 }
 
 TEST(Trainer, AnArgumentThatContradictsTheConfigIsRefusedNamingBoth) {
-  const auto r = zeal::spawn(
+  const auto r = spawn_checked(
       [&](zeal::Runtime& rt) {
         zeal::Engine engine(config(R"({"gradient_accumulation_steps": 4})"), rt);
         TinyGpt model(TinyGptOptions{});
@@ -592,7 +746,7 @@ TEST(Trainer, AnArgumentThatContradictsTheConfigIsRefusedNamingBoth) {
 
 TEST(Trainer, RanksStartedWithOtherArgumentsAreNamed) {
   const std::string unused = temp("unused");
-  const auto r = zeal::spawn(
+  const auto r = spawn_checked(
       [&](zeal::Runtime& rt) {
         zeal::Engine engine(config("{}"), rt);
         TinyGpt model(TinyGptOptions{});

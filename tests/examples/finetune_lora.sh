@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # build/bin/finetune_lora as the README runs it, made small: 2 ranks, configs/ds_zero3_cpu.yaml
-# unchanged; it must train, save the adapter (Python-loadable names checked by the PEFT cross-check),
+# unchanged; it must train (evaluating every epoch, loading the best checkpoint), save the adapter (Python-loadable names checked by the PEFT cross-check),
 # reload it, merge it, save the merged model, and end with "accuracy: <fraction>" above chance.
 # Skipped (77) without all-MiniLM-L6-v2 (scripts/setup installs it) or without apt-cache.
 set -euo pipefail
@@ -26,6 +26,9 @@ for phase in train eval; do
   n=$(grep -c "^\[rank 0\] CPU Total Peak Memory consumed during the $phase (max): [0-9]*$" <<<"$out" || true)
   [ "$n" -ge 2 ] || { echo "FAIL: $n memory reports for the $phase phase" >&2; exit 1; }
 done
+# The Trainer: an evaluation every epoch, the best checkpoint loaded at the end.
+[ "$(grep -c "'epoch': [12], 'eval_accuracy'" <<<"$out")" -ge 2 ] || { echo "FAIL: not one evaluation per epoch" >&2; exit 1; }
+grep -q "loading the best model from $work/out/checkpoints/checkpoint-" <<<"$out" || { echo "FAIL: no best model loaded" >&2; exit 1; }
 acc=$(printf '%s\n' "$out" | tail -n 1 | sed -n 's/^\[rank 0\] accuracy: \([0-9.]*\)$/\1/p')
 [ -n "$acc" ] || { echo "FAIL: the last line is not 'accuracy: <fraction>'" >&2; exit 1; }
 awk -v a="$acc" 'BEGIN { exit !(a > 0.5) }' || { echo "FAIL: accuracy $acc is not above 0.5 (chance: 0.33)" >&2; exit 1; }
