@@ -1,0 +1,229 @@
+// examples/models/llama.h against transformers' LlamaForCausalLM on checkpoints transformers writes
+// in the test (tests/examples/llama_peer.py: grouped-query attention, an untied and a tied head):
+// logits without and with padding masks and the loss of labels with -100, in float64; the KV cache
+// against recomputation; and stage 3 on 2 ranks (engine.init, load_pretrained) against one process.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+#include <torch/optim/adamw.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "engine/checkpoint/safetensors.h"
+#include "engine/config/config.h"
+#include "engine/engine.h"
+#include "engine/error.h"
+#include "engine/runtime/runtime.h"
+#include "engine/runtime/spawn.h"
+#include "examples/models/llama.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// zeal::spawn whose ranks turn a failed EXPECT (recorded only in the forked rank) into a failure the
+// parent sees.
+std::vector<zeal::RankResult> spawn_checked(const std::function<void(zeal::Runtime&)>& fn, int world) {
+  return zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        fn(rt);
+        if (::testing::Test::HasFailure()) throw zeal::Error("a check failed on this rank (see above)");
+      },
+      world);
+}
+
+using zeal::models::LlamaCache;
+using zeal::models::LlamaConfig;
+using zeal::models::LlamaForCausalLM;
+
+std::string peers_python() {
+  if (const char* p = std::getenv("ZEAL_PEERS_PYTHON")) return p;
+  const char* home = std::getenv("HOME");
+  return home ? (fs::path(home) / ".cache/zeal/peers/bin/python").string() : "python3";
+}
+
+// The checkpoints, made once per test program.
+class LlamaPeer : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = (fs::temp_directory_path() / fmt::format("zeal_llama_{}", ::getpid())).string();
+    const std::string python = peers_python();
+    if (!fs::exists(python)) {
+      why_ = "no peers Python at " + python + " (scripts/peers installs it)";
+      return;
+    }
+    const int rc = std::system(fmt::format("{} {}/tests/examples/llama_peer.py {} > {}/peer.log 2>&1", python,
+                                           ZEAL_SOURCE_DIR, dir_, fs::temp_directory_path().string())
+                                   .c_str());
+    const int code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+    if (code == 77) why_ = python + " has no transformers (scripts/peers installs it)";
+    else if (code != 0) failed_ = fmt::format("llama_peer.py exited {}", code);
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  void SetUp() override {
+    ASSERT_EQ(failed_, "");
+    if (!why_.empty()) {
+      const char* required = std::getenv("ZEAL_REQUIRE_PEERS");
+      if (required && std::string(required) == "1") FAIL() << why_ << " (ZEAL_REQUIRE_PEERS=1)";
+      GTEST_SKIP() << why_;
+    }
+  }
+  static std::string dir(const std::string& name) { return dir_ + "/" + name; }
+  // A tensor of expected.safetensors.
+  static at::Tensor expected(const std::string& name, const std::string& key) {
+    const std::string path = dir(name) + "/expected.safetensors";
+    const auto header = zeal::ckpt::read_safetensors_header(path);
+    const auto& e = header.tensors.at(key);
+    const at::ScalarType t = e.dtype == "F64" ? at::kDouble : e.dtype == "I64" ? at::kLong : at::kFloat;
+    at::Tensor out = at::empty(e.shape, at::TensorOptions(t));
+    std::ifstream f(path, std::ios::binary);
+    f.seekg(e.offset);
+    f.read(static_cast<char*>(out.data_ptr()), e.bytes);
+    return out;
+  }
+  static LlamaForCausalLM load(const std::string& name) {
+    const auto cfg = LlamaConfig::from_file(dir(name) + "/config.json");
+    LlamaForCausalLM model(cfg);
+    zeal::PretrainedOptions o;
+    o.strict = true;
+    o.quiet = true;
+    const auto report = zeal::load_pretrained(model, dir(name), o);
+    EXPECT_TRUE(report.unused.empty()) << report.unused.front();
+    model->to(at::kDouble);
+    model->eval();
+    return model;
+  }
+  static std::string dir_, why_, failed_;
+};
+std::string LlamaPeer::dir_, LlamaPeer::why_, LlamaPeer::failed_;
+
+// float64 on both sides: the sums differ only in order, ~1e-15 of the logits' scale per operation;
+// 1e-9 leaves room for that and catches any real difference (fp32 rotary tables alone are 1e-7).
+void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const double scale = std::max(1.0, want.abs().max().item<double>());
+  const double diff = (got - want).abs().max().item<double>();
+  EXPECT_LE(diff, 1e-9 * scale) << what << ": largest difference " << diff << " at a scale of " << scale;
+}
+
+TEST_F(LlamaPeer, LogitsMatchTransformersWithAndWithoutPadding) {
+  for (const std::string name : {"untied", "tied"}) {
+    auto model = load(name);
+    c10::NoGradGuard no_grad;
+    const at::Tensor ids = expected(name, "ids"), mask = expected(name, "attention_mask");
+    expect_close(model->forward(ids), expected(name, "logits"), name + " without a mask");
+    // Padding query positions hold nothing to compare (transformers leaves them NaN).
+    const at::Tensor got = model->forward(ids, mask), want = expected(name, "logits_masked");
+    const at::Tensor keep = mask.to(at::kBool);
+    expect_close(got.index({keep}), want.index({keep}), name + " with left and right padding");
+    model->config.chunked_loss = false;
+    const at::Tensor labels = expected(name, "labels"), right = expected(name, "right_mask");
+    expect_close(model->loss(ids, labels, right).reshape({1}), expected(name, "loss"), name + " loss (whole logits)");
+    model->config.chunked_loss = true;
+    expect_close(model->loss(ids, labels, right).reshape({1}), expected(name, "loss"), name + " loss (chunked head)");
+  }
+}
+
+TEST_F(LlamaPeer, TheKvCacheGivesTheLogitsOfTheWholeSequence) {
+  auto model = load("untied");
+  c10::NoGradGuard no_grad;
+  const at::Tensor ids = expected("untied", "ids");
+  const at::Tensor full = model->forward(ids);
+  // A prefix of 5 tokens, then 2, then one at a time.
+  LlamaCache cache;
+  std::vector<at::Tensor> parts{model->forward(ids.narrow(1, 0, 5), {}, {}, &cache),
+                                model->forward(ids.narrow(1, 5, 2), {}, {}, &cache)};
+  for (int64_t t = 7; t < ids.size(1); ++t) parts.push_back(model->forward(ids.narrow(1, t, 1), {}, {}, &cache));
+  EXPECT_EQ(cache.length(), ids.size(1));
+  expect_close(at::cat(parts, 1), full, "cached");
+  // With a padding mask too (row 1 left-padded): the positions with tokens agree.
+  const at::Tensor mask = expected("untied", "attention_mask");
+  const at::Tensor whole = model->forward(ids, mask);
+  LlamaCache c2;
+  std::vector<at::Tensor> p2{model->forward(ids.narrow(1, 0, 6), mask.narrow(1, 0, 6), {}, &c2)};
+  for (int64_t t = 6; t < ids.size(1); ++t) p2.push_back(model->forward(ids.narrow(1, t, 1), mask.narrow(1, 0, t + 1), {}, &c2));
+  const at::Tensor keep = mask.to(at::kBool);
+  expect_close(at::cat(p2, 1).index({keep}), whole.index({keep}), "cached with padding");
+}
+
+TEST_F(LlamaPeer, Stage3OnTwoRanksGivesOneProcesssLogits) {
+  const std::string out = (fs::temp_directory_path() / fmt::format("zeal_llama_s3_{}", ::getpid())).string();
+  const std::string model_dir = dir("untied");
+  const auto results = spawn_checked(
+      [&](zeal::Runtime& rt) {
+        zeal::Config c = zeal::Config::parse(
+            R"({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "zero3_init_flag": true}})",
+            "ds.json");
+        c.launch.use_cpu = true;
+        zeal::Engine engine(c, rt);
+        const auto cfg = LlamaConfig::from_file(model_dir + "/config.json");
+        auto model = engine.init<LlamaForCausalLM>(cfg);
+        zeal::PretrainedOptions o;
+        o.strict = true;
+        o.quiet = true;
+        zeal::load_pretrained(model, model_dir, o);
+        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+        auto [m, po] = engine.prepare(model, opt);
+        (void)po;
+        m->eval();
+        c10::NoGradGuard no_grad;
+        const at::Tensor logits = m->forward(expected("untied", "ids"), expected("untied", "attention_mask"));
+        if (engine.is_main_process()) {
+          std::ofstream f(out, std::ios::binary);
+          f.write(static_cast<const char*>(logits.contiguous().data_ptr()), static_cast<std::streamsize>(logits.nbytes()));
+        }
+      },
+      2);
+  ASSERT_EQ(zeal::describe_failures(results), "");
+  // One process, fp32 too, with one thread as the ranks have (the sums' order is then the same).
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const auto cfg = LlamaConfig::from_file(model_dir + "/config.json");
+  LlamaForCausalLM one(cfg);
+  zeal::PretrainedOptions o;
+  o.strict = true;
+  o.quiet = true;
+  zeal::load_pretrained(one, model_dir, o);
+  one->eval();
+  c10::NoGradGuard no_grad;
+  const at::Tensor mask = expected("untied", "attention_mask");
+  const at::Tensor want = one->forward(expected("untied", "ids"), mask);
+  at::set_num_threads(threads);
+  at::Tensor got = at::empty_like(want);
+  std::ifstream f(out, std::ios::binary);
+  f.read(static_cast<char*>(got.data_ptr()), static_cast<std::streamsize>(got.nbytes()));
+  fs::remove(out);
+  EXPECT_TRUE(got.equal(want)) << "largest difference " << (got - want).abs().max().item<double>();
+  // And fp32 against transformers' float64, on the positions with tokens: fp32's rounding over two
+  // layers of 32 wide (2^-24 per operation, a few hundred operations deep) stays under 1e-4.
+  const at::Tensor keep = mask.to(at::kBool);
+  const at::Tensor ref = expected("untied", "logits_masked").index({keep});
+  const double scale = std::max(1.0, ref.abs().max().item<double>());
+  EXPECT_LE((got.index({keep}).to(at::kDouble) - ref).abs().max().item<double>(), 1e-4 * scale);
+}
+
+TEST(LlamaConfig, WhatTheModelDoesNotComputeIsRefusedNamingTheKey) {
+  const std::string path = (fs::temp_directory_path() / fmt::format("zeal_llama_cfg_{}.json", ::getpid())).string();
+  auto refused = [&](const std::string& json, const std::string& says) {
+    std::ofstream(path) << json;
+    try {
+      (void)LlamaConfig::from_file(path);
+      ADD_FAILURE() << json << " was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  refused(R"({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4}})", "rope_scaling of type 'yarn'");
+  refused(R"({"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})", "rope_parameters of type 'llama3'");
+  refused(R"({"model_type": "llama", "hidden_act": "gelu"})", "hidden_act 'gelu'");
+  refused(R"({"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": 4})", "multiple of num_key_value_heads");
+  refused(R"({"model_type": "gpt2"})", "model_type 'gpt2'");
+  fs::remove(path);
+}
+
+}  // namespace
