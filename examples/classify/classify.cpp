@@ -25,6 +25,7 @@
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/trainer/trainer.h"
+#include "examples/common/classification.h"
 #include "examples/common/flags.h"
 #include "examples/classify/reviews.h"
 
@@ -144,14 +145,9 @@ int main(int argc, char** argv) {
     Classifier model(vocab.size(), dim, layers);
     zeal::Trainer trainer(engine, model, args, ReviewDataset(train, vocab), ReviewDataset(valid, vocab),
                           [&](const torch::data::Example<>& b) {
-                            at::Tensor logits = model->forward(b.data).to(at::kFloat);
-                            return zeal::StepOutput{torch::nn::functional::cross_entropy(logits, b.target),
-                                                    logits.argmax(-1), b.target};
+                            return zeal_examples::classification_step(model->forward(b.data), b.target);
                           });
-    trainer.compute_metrics = [](const zeal::EvalPrediction& p) {
-      const double correct = p.predictions.eq(p.label_ids).sum().item<double>();
-      return zeal::Metrics{{"accuracy", correct / static_cast<double>(p.predictions.size(0))}};
-    };
+    trainer.compute_metrics = zeal_examples::accuracy;
     trainer.train();
     const zeal::Metrics metrics = trainer.evaluate();  // the best model's, after load_best_model_at_end
     engine.print(fmt::format("accuracy: {:.4f}", metrics.at("eval_accuracy")));

@@ -43,7 +43,8 @@ inline std::optional<int> check_engine_flags(const std::vector<std::string>& res
 
 // Parses the flags. Returns the exit code when the program should end now: 0 after --help, 2 for a
 // flag that is wrong (its message, naming the flag, on stderr).
-inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv, const char* program) {
+// The program's own flags (CLI11): the exit code when the program should end now.
+inline std::optional<int> parse_app(CLI::App& app, int argc, char** argv, const char* program) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -54,6 +55,11 @@ inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv, cons
     std::fprintf(stderr, "%s: %s (see --help)\n", program, e.what());
     return 2;
   }
+  return std::nullopt;
+}
+
+inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv, const char* program) {
+  if (auto code = parse_app(app, argc, argv, program)) return code;
   return check_engine_flags(app.remaining(), program);
 }
 
@@ -68,16 +74,7 @@ inline std::optional<int> parse_trainer_flags(CLI::App& app, int argc, char** ar
                                               const std::function<void(zeal::TrainingArguments&)>& program_defaults = {}) {
   app.footer("\n" + zeal::TrainingArguments::help() +
              "\nThe engine's config: --config_file FILE and the override flags (zeal config keys).");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", program, e.what());
-    return 2;
-  }
+  if (auto code = parse_app(app, argc, argv, program)) return code;
   if (program_defaults) program_defaults(args);
   std::vector<std::string> remaining = app.remaining(), rest;
   std::vector<const char*> v{program};

@@ -41,6 +41,7 @@
 #include "engine/memory_tracker.h"
 #include "engine/peft/lora.h"
 #include "engine/trainer/trainer.h"
+#include "examples/common/classification.h"
 #include "examples/common/flags.h"
 #include "examples/models/bert.h"
 #include "examples/models/wordpiece.h"
@@ -231,14 +232,10 @@ int main(int argc, char** argv) {
     // The Trainer trains what requires a gradient: the adapters and the head (or the head alone).
     zeal::Trainer trainer(engine, model, args, TextDataset(train, tok, seq), TextDataset(valid, tok, seq),
                           [&](const torch::data::Example<>& b) {
-                            at::Tensor logits = model->forward(b.data, b.data.ne(tok.pad_id())).to(at::kFloat);
-                            return zeal::StepOutput{torch::nn::functional::cross_entropy(logits, b.target),
-                                                    logits.argmax(-1), b.target};
+                            return zeal_examples::classification_step(model->forward(b.data, b.data.ne(tok.pad_id())),
+                                                                      b.target);
                           });
-    trainer.compute_metrics = [](const zeal::EvalPrediction& p) {
-      const double correct = p.predictions.eq(p.label_ids).sum().item<double>();
-      return zeal::Metrics{{"accuracy", correct / static_cast<double>(p.predictions.size(0))}};
-    };
+    trainer.compute_metrics = zeal_examples::accuracy;
     trainer.train();
     engine.print(fmt::format("zeal: {} ranks, ZeRO stage {}, {} trainable of {} parameters, {} train / {} held-out "
                              "packages in {} sections",

@@ -27,6 +27,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/zero/sharded.h"
+#include "examples/models/hf_config.h"
 
 namespace zeal::models {
 
@@ -39,18 +40,9 @@ struct BertConfig {
 
   // transformers' config.json (a BertModel's); std::runtime_error naming the file otherwise.
   static BertConfig from_file(const std::string& path) {
-    std::ifstream in(path);
-    if (!in) throw std::runtime_error("cannot read " + path);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(in);
-    } catch (const std::exception& e) {
-      throw std::runtime_error(path + " is not valid JSON: " + e.what());
-    }
+    const nlohmann::json j = read_config_json(path);
     BertConfig c;
-    auto get = [&](const char* k, auto& v) {
-      if (j.contains(k) && !j[k].is_null()) v = j[k].get<std::decay_t<decltype(v)>>();
-    };
+    auto get = [&](const char* k, auto& v) { read_config_key(j, path, k, v); };
     get("vocab_size", c.vocab_size);
     get("hidden_size", c.hidden_size);
     get("num_hidden_layers", c.num_hidden_layers);

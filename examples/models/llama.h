@@ -31,6 +31,7 @@
 #include "engine/chunked_loss.h"
 #include "engine/linear.h"
 #include "engine/zero/sharded.h"
+#include "examples/models/hf_config.h"
 
 namespace zeal::models {
 
@@ -55,22 +56,9 @@ struct LlamaConfig {
   // transformers' config.json of a LlamaForCausalLM; std::runtime_error naming the file and key for
   // what this model does not compute (another activation, rope scaling).
   static LlamaConfig from_file(const std::string& path) {
-    std::ifstream in(path);
-    if (!in) throw std::runtime_error("cannot read " + path);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(in);
-    } catch (const std::exception& e) {
-      throw std::runtime_error(path + " is not valid JSON: " + e.what());
-    }
+    const nlohmann::json j = read_config_json(path);
     LlamaConfig c;
-    auto get = [&](const char* k, auto& v) {
-      try {
-        if (j.contains(k) && !j[k].is_null()) v = j[k].get<std::decay_t<decltype(v)>>();
-      } catch (const std::exception& e) {
-        throw std::runtime_error(path + ": " + k + ": " + e.what());
-      }
-    };
+    auto get = [&](const char* k, auto& v) { read_config_key(j, path, k, v); };
     get("vocab_size", c.vocab_size);
     get("hidden_size", c.hidden_size);
     get("intermediate_size", c.intermediate_size);

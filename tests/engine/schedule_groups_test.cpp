@@ -19,10 +19,12 @@
 #include "engine/engine.h"
 #include "engine/optim/schedule.h"
 #include "engine/runtime/spawn.h"
+#include "tests/test_helpers.h"
 
 namespace {
 
 namespace fs = std::filesystem;
+using zeal_test::peers_python;
 constexpr int kSteps = 12;
 const std::vector<double> kBase{2e-4, 1e-3};
 
@@ -62,12 +64,6 @@ std::vector<std::vector<double>> rates(const std::string& config_json,
   fs::remove(out);
   EXPECT_EQ(r.size(), static_cast<size_t>(kSteps));
   return r;
-}
-
-std::string peers_python() {
-  if (const char* p = std::getenv("ZEAL_PEERS_PYTHON")) return p;
-  const char* home = std::getenv("HOME");
-  return home ? (fs::path(home) / ".cache/zeal/peers/bin/python").string() : "python3";
 }
 
 // DeepSpeed's scheduler `type` with `params` over the two groups gives zeal's rates.

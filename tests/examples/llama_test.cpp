@@ -20,32 +20,18 @@
 #include "engine/error.h"
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
+#include "tests/test_helpers.h"
 #include "examples/models/llama.h"
 
 namespace {
 
 namespace fs = std::filesystem;
-
-// zeal::spawn whose ranks turn a failed EXPECT (recorded only in the forked rank) into a failure the
-// parent sees.
-std::vector<zeal::RankResult> spawn_checked(const std::function<void(zeal::Runtime&)>& fn, int world) {
-  return zeal::spawn(
-      [&](zeal::Runtime& rt) {
-        fn(rt);
-        if (::testing::Test::HasFailure()) throw zeal::Error("a check failed on this rank (see above)");
-      },
-      world);
-}
+using zeal_test::peers_python;
+using zeal_test::spawn_checked;
 
 using zeal::models::LlamaCache;
 using zeal::models::LlamaConfig;
 using zeal::models::LlamaForCausalLM;
-
-std::string peers_python() {
-  if (const char* p = std::getenv("ZEAL_PEERS_PYTHON")) return p;
-  const char* home = std::getenv("HOME");
-  return home ? (fs::path(home) / ".cache/zeal/peers/bin/python").string() : "python3";
-}
 
 // The checkpoints, made once per test program.
 class LlamaPeer : public ::testing::Test {
