@@ -1,8 +1,8 @@
 # Finds the libraries zeal builds against besides LibTorch and CUDA: yaml-cpp and fmt through their
-# CMake packages; liburing, hwloc and utf8proc by header and library (pkg-config is not needed, so a
+# CMake packages; liburing, hwloc, utf8proc and PCRE2 by header and library (pkg-config is not needed, so a
 # machine that only has these packages unpacked under a prefix, as scripts/gpu-check does, builds
 # too: pass -DCMAKE_PREFIX_PATH=<prefix>/usr); CLI11, nlohmann-json and Gloo's headers by path.
-# Defines the imported targets zeal::uring, zeal::hwloc and zeal::utf8proc, and their versions in
+# Defines the imported targets zeal::uring, zeal::hwloc, zeal::utf8proc and zeal::pcre2, and versions in
 # ZEAL_URING_VERSION and ZEAL_HWLOC_VERSION.
 find_package(yaml-cpp REQUIRED)
 find_package(fmt REQUIRED)
@@ -31,6 +31,7 @@ endfunction()
 zeal_find_library(uring liburing.h uring)
 zeal_find_library(hwloc hwloc.h hwloc)
 zeal_find_library(utf8proc utf8proc.h utf8proc)
+zeal_find_library(pcre2 pcre2.h pcre2-8)
 
 # Versions, read from the pkg-config files beside the libraries (what `zeal env` reports).
 function(zeal_pc_version out library pc)
