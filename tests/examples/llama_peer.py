@@ -4,11 +4,13 @@ usage: llama_peer.py OUT. Writes OUT/untied and OUT/tied (LlamaForCausalLM.save_
 attention, 4 heads over 2 key-value heads; an untied and a tied head) and OUT/<name>/expected.safetensors:
 ids [3, 11], attention_mask (row 1 left-padded, row 2 right-padded), right_mask (row 2 right-padded),
 labels (-100 on right_mask's padding and the first two tokens), and in float64 the logits without a
-mask, with attention_mask, and the loss of the labels with right_mask. The attention is torch's SDPA
+mask, with attention_mask, and the loss of the labels with right_mask; OUT/<name>/generation.json:
+transformers' greedy generate of 3 left-padded prompts, without an EOS and with one a row reaches
+early. The attention is torch's SDPA
 (transformers' eager attention takes its softmax in float32 even in a float64 model).
 Exit 77 without transformers (1 under ZEAL_REQUIRE_PEERS=1).
 """
-import os, sys
+import json, os, sys
 
 try:
     import torch
@@ -53,4 +55,23 @@ for name, tied in (("untied", False), ("tied", True)):
     save_file({"ids": ids, "attention_mask": mask, "right_mask": right, "labels": labels, "logits": plain.contiguous(),
                "logits_masked": masked.contiguous(), "loss": loss.reshape(1)},
               os.path.join(d, "expected.safetensors"))
+    # Greedy generation of 3 prompts of different lengths, left-padded, with an EOS that one row
+    # reaches early (the token it generates third without one).
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8]]
+    width = max(len(p) for p in prompts)
+    batch = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        free = model.generate(batch, attention_mask=attn, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+        eos = int(free[0, width + 2])
+        stopped = model.generate(batch, attention_mask=attn, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                 eos_token_id=eos)
+    def new_tokens(out):
+        rows = []
+        for r in out[:, width:].tolist():
+            rows.append(r[: r.index(eos) + 1] if eos in r else r)
+        return rows
+    json.dump({"prompts": prompts, "free": [r for r in free[:, width:].tolist()], "eos": eos,
+               "stopped": new_tokens(stopped)}, open(os.path.join(d, "generation.json"), "w"))
     print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, logits {tuple(plain.shape)}, loss {loss.item():.6f}")

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
 #include <cstdlib>
@@ -21,6 +22,7 @@
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
 #include "tests/test_helpers.h"
+#include "examples/models/generate.h"
 #include "examples/models/llama.h"
 
 namespace {
@@ -191,6 +193,70 @@ TEST_F(LlamaPeer, Stage3OnTwoRanksGivesOneProcesssLogits) {
   const at::Tensor ref = expected("untied", "logits_masked").index({keep});
   const double scale = std::max(1.0, ref.abs().max().item<double>());
   EXPECT_LE((got.index({keep}).to(at::kDouble) - ref).abs().max().item<double>(), 1e-4 * scale);
+}
+
+// transformers' greedy generate: left-padded prompts of different lengths, without an EOS and with one
+// a row reaches early (the others go on).
+TEST_F(LlamaPeer, GreedyGenerationEqualsTransformers) {
+  auto model = load("untied");
+  std::ifstream in(dir("untied") + "/generation.json");
+  const auto j = nlohmann::json::parse(in);
+  const auto prompts = j["prompts"].get<std::vector<std::vector<int64_t>>>();
+  zeal::models::GenerationConfig g;
+  g.max_new_tokens = 8;
+  EXPECT_EQ(zeal::models::generate(model, prompts, g), j["free"].get<std::vector<std::vector<int64_t>>>());
+  g.eos_token_id = j["eos"].get<int64_t>();
+  EXPECT_EQ(zeal::models::generate(model, prompts, g), j["stopped"].get<std::vector<std::vector<int64_t>>>());
+  // Sampling with top_k 1 is greedy; a seed repeats a sample.
+  g.do_sample = true;
+  g.top_k = 1;
+  g.temperature = 0.7;
+  EXPECT_EQ(zeal::models::generate(model, prompts, g), j["stopped"].get<std::vector<std::vector<int64_t>>>());
+  g.top_k = 0;
+  g.top_p = 0.9;
+  g.seed = 3;
+  EXPECT_EQ(zeal::models::generate(model, prompts, g), zeal::models::generate(model, prompts, g));
+}
+
+// Stage 3 on 2 ranks, each with its own prompts, one rank's rows ending early (EOS) and a rank with
+// none: every rank steps until all are done, and each gets one process's tokens.
+TEST_F(LlamaPeer, Stage3RanksGenerateDifferentLengthsWithoutAMismatch) {
+  const std::string model_dir = dir("untied"), out = dir("untied") + "/stage3_generation.json";
+  std::ifstream in(model_dir + "/generation.json");
+  const auto j = nlohmann::json::parse(in);
+  const auto prompts = j["prompts"].get<std::vector<std::vector<int64_t>>>();
+  zeal::models::GenerationConfig g;
+  g.max_new_tokens = 8;
+  g.eos_token_id = j["eos"].get<int64_t>();
+  for (const bool empty_rank : {false, true}) {
+    const auto results = spawn_checked(
+        [&](zeal::Runtime& rt) {
+          zeal::Config c = zeal::Config::parse(R"({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})", "ds.json");
+          c.launch.use_cpu = true;
+          zeal::Engine engine(c, rt);
+          LlamaForCausalLM model(LlamaConfig::from_file(model_dir + "/config.json"));
+          zeal::PretrainedOptions o;
+          o.strict = true;
+          o.quiet = true;
+          zeal::load_pretrained(model, model_dir, o);
+          torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+          auto [m, po] = engine.prepare(model, opt);
+          (void)po;
+          m->eval();
+          // Rank 0: the prompt whose row stops after 3 tokens; rank 1: the other two (or none).
+          std::vector<std::vector<int64_t>> mine;
+          if (rt.rank() == 0) mine = {prompts[0]};
+          else if (!empty_rank) mine = {prompts[1], prompts[2]};
+          const auto got = zeal::models::generate(m, mine, g, &engine);
+          std::vector<std::vector<int64_t>> want;
+          const auto stopped = j["stopped"].get<std::vector<std::vector<int64_t>>>();
+          if (rt.rank() == 0) want = {stopped[0]};
+          else if (!empty_rank) want = {stopped[1], stopped[2]};
+          EXPECT_EQ(got, want) << "rank " << rt.rank();
+        },
+        2);
+    EXPECT_EQ(zeal::describe_failures(results), "") << (empty_rank ? "with a rank without prompts" : "");
+  }
 }
 
 TEST(LlamaConfig, WhatTheModelDoesNotComputeIsRefusedNamingTheKey) {
