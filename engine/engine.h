@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -111,6 +112,13 @@ struct PretrainedOptions {
   // Explicit renames, model name prefix → file name prefix, tried before anything else
   // ({"encoder.", "bert.encoder."}); the first that applies wins.
   std::vector<std::pair<std::string, std::string>> rename;
+  // Tensors the file stores in another form: the model's tensor (by its Hugging Face-style name,
+  // zeal::Sharded's "block" level left out) as a function of the file's tensors, each read whole by
+  // its name. zeal::transposed, zeal::split_part and zeal::concatenated make the usual ones (GPT-2's
+  // Conv1D weights are stored [in, out]; fused or split QKV). The results are written to a
+  // temporary file (under TMPDIR) and read from there as the file's own tensors are.
+  using TensorSource = std::function<at::Tensor(const std::function<at::Tensor(const std::string&)>& read)>;
+  std::map<std::string, TensorSource> transforms;
   // Every parameter must come from the file (default: parameters the file lacks keep their values
   // and are listed, as transformers' "Some weights ... were not initialized" does).
   bool strict = false;
@@ -132,6 +140,11 @@ struct PretrainedReport {
 // zeal::Error naming the file and tensor on a shape mismatch, a truncated file, or when no
 // parameter matched; nothing changes then.
 PretrainedReport load_pretrained(torch::nn::Module& model, const std::string& path, const PretrainedOptions& options = {});
+// PretrainedOptions::transforms' usual sources: the file's 2-D tensor transposed; part `part` of
+// `parts` equal parts along `dim`; the tensors concatenated along `dim`.
+PretrainedOptions::TensorSource transposed(std::string file_name);
+PretrainedOptions::TensorSource split_part(std::string file_name, int64_t dim, int64_t part, int64_t parts);
+PretrainedOptions::TensorSource concatenated(std::vector<std::string> file_names, int64_t dim);
 template <class Holder>
   requires requires(const Holder& h) { h.ptr(); }
 PretrainedReport load_pretrained(const Holder& model, const std::string& path, const PretrainedOptions& options = {}) {
@@ -146,6 +159,10 @@ int64_t load_mapped(torch::nn::Module& model, const std::string& path,
                     const std::function<std::string(const std::string&)>& map);
 // The tensor names in `path` (as load_mapped takes it).
 std::vector<std::string> tensor_names(const std::string& path);
+// Each tensor name in `path` and the file that holds it (an absolute path).
+std::map<std::string, std::string> tensor_files(const std::string& path);
+// The tensor `name` of `path`, whole, in the file's dtype.
+at::Tensor read_tensor(const std::string& path, const std::string& name);
 }  // namespace detail
 
 // engine.save_state's options.

@@ -190,6 +190,24 @@ int64_t load_mapped(torch::nn::Module& model, const std::string& path,
   return static_cast<int64_t>(targets.size());
 }
 
+std::map<std::string, std::string> tensor_files(const std::string& path) {
+  HfWeights w{fs::path(path)};
+  std::map<std::string, std::string> out;
+  for (const auto& [name, file] : w.where) out[name] = fs::absolute(w.dir / file).string();
+  return out;
+}
+
+at::Tensor read_tensor(const std::string& path, const std::string& name) {
+  HfWeights w{fs::path(path)};
+  if (!w.has(name)) throw Error(fmt::format("{} has no tensor '{}'", path, name));
+  const std::string file = w.where.at(name);
+  const auto header = ckpt::read_safetensors_header((w.dir / file).string());
+  const auto& e = header.tensors.at(name);
+  int64_t n = 1;
+  for (int64_t d : e.shape) n *= d;
+  return read_elements(w.dir / file, e, 0, n).view(e.shape);
+}
+
 std::vector<std::string> tensor_names(const std::string& path) {
   HfWeights w{fs::path(path)};
   std::vector<std::string> names;

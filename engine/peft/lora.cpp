@@ -32,6 +32,7 @@
 #include "engine/checkpoint/consolidate.h"
 #include "engine/checkpoint/safetensors.h"
 #include "engine/checkpoint/tensor_dtype.h"
+#include "engine/checkpoint/transforms.h"
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/peft/slots.h"
@@ -877,8 +878,33 @@ PretrainedReport load_pretrained(torch::nn::Module& model, const std::string& pa
   report.file_prefix = best.second;
   std::unordered_map<std::string, std::string> map;
   std::unordered_set<std::string> taken;
+  // Tensors the file stores in another form (options.transforms, by the model's name).
+  std::vector<ckpt::Transformed> transformed;
+  std::unordered_set<std::string> model_names;
+  for (const auto& n : names) model_names.insert(n.hf_name);
+  for (const auto& [name, source] : options.transforms) {
+    if (!model_names.count(name)) {
+      throw Error(fmt::format("load_pretrained: transforms name '{}', which is not a parameter or buffer of the model "
+                              "(its names are like {})",
+                              name, names.empty() ? std::string("nothing") : names.front().hf_name));
+    }
+  }
   for (const auto& n : names) {
+    if (auto t = options.transforms.find(n.hf_name); t != options.transforms.end()) {
+      map[n.model_name] = "zeal.transformed." + n.hf_name;
+      transformed.push_back({n.hf_name, map[n.model_name], t->second});
+      continue;
+    }
     const std::string f = file_name(n.hf_name, best.first, best.second);
+    // GPT-2's Conv1D weights are stored [in, out]: loaded as they are into a square Linear they would
+    // be transposed without an error.
+    static const std::regex conv1d(R"((^|\.)(c_attn|c_proj|c_fc|q_attn)\.weight$)");
+    if (!f.empty() && in_file.count(f) && std::regex_search(f, conv1d)) {
+      throw Error(fmt::format("load_pretrained: '{}' in {} is a GPT-2 Conv1D weight, stored transposed ([in, out]); "
+                              "give the model's '{}' a transform (options.transforms[\"{}\"] = zeal::transposed(\"{}\")) "
+                              "instead of loading it as it is",
+                              f, path, n.hf_name, n.hf_name, f));
+    }
     if (!f.empty() && in_file.count(f)) {
       map[n.model_name] = f;
       taken.insert(f);
@@ -888,7 +914,7 @@ PretrainedReport load_pretrained(torch::nn::Module& model, const std::string& pa
   }
   for (const auto& f : file_names)
     if (!taken.count(f)) report.unused.push_back(f);
-  if (best_count <= 0) {
+  if (best_count <= 0 && options.transforms.empty()) {
     std::vector<std::string> some_model, some_file;
     for (size_t i = 0; i < names.size() && some_model.size() < 3; ++i) some_model.push_back(names[i].hf_name);
     for (size_t i = 0; i < file_names.size() && some_file.size() < 3; ++i) some_file.push_back(file_names[i]);
@@ -901,7 +927,15 @@ PretrainedReport load_pretrained(torch::nn::Module& model, const std::string& pa
                             report.missing.size() > 5 ? ", ..." : ""));
   }
   try {
-    report.loaded = detail::load_mapped(model, path, [&](const std::string& n) {
+    std::unique_ptr<ckpt::StagedWeights> staged;
+    if (!transformed.empty()) {
+      staged = std::make_unique<ckpt::StagedWeights>(path, transformed);
+      std::vector<std::string> unused;
+      for (const auto& f : report.unused)
+        if (!staged->read().count(f)) unused.push_back(f);
+      report.unused = std::move(unused);
+    }
+    report.loaded = detail::load_mapped(model, staged ? staged->dir() : path, [&](const std::string& n) {
       auto it = map.find(n);
       return it == map.end() ? std::string() : it->second;
     });
