@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -33,4 +35,36 @@ inline std::vector<zeal::RankResult> spawn_checked(const std::function<void(zeal
       world);
 }
 
+// A peer script's outcome: `skip` says why it could not run (no Python, no package), `failure` why it
+// failed; both empty when it ran.
+struct PeerScript {
+  std::string skip, failure;
+};
+// Runs tests/<script> (from the source tree) with the peers' Python and `args`; its output goes to
+// the test's output.
+inline PeerScript run_peer_script(const std::string& script, const std::string& args) {
+  const std::string python = peers_python();
+  if (!std::filesystem::exists(python)) return {"no peers Python at " + python + " (scripts/peers installs it)", ""};
+  const int rc = std::system((python + " " + ZEAL_SOURCE_DIR + "/tests/" + script + " " + args).c_str());
+  const int code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  if (code == 77) return {python + " lacks a package " + script + " needs (scripts/peers installs it)", ""};
+  if (code != 0) return {"", script + " exited " + std::to_string(code)};
+  return {};
+}
+inline bool peers_required() {
+  const char* r = std::getenv("ZEAL_REQUIRE_PEERS");
+  return r && std::string(r) == "1";
+}
+
 }  // namespace zeal_test
+
+// In a fixture's SetUp: fails when the peer script failed; skips when it could not run (fails under
+// ZEAL_REQUIRE_PEERS=1).
+#define ZEAL_NEEDS_PEER(peer)                                                             \
+  do {                                                                                    \
+    ASSERT_EQ((peer).failure, "");                                                        \
+    if (!(peer).skip.empty()) {                                                           \
+      if (zeal_test::peers_required()) FAIL() << (peer).skip << " (ZEAL_REQUIRE_PEERS=1)"; \
+      GTEST_SKIP() << (peer).skip;                                                        \
+    }                                                                                     \
+  } while (0)

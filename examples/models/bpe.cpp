@@ -16,6 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "examples/models/hf_config.h"
+
 namespace zeal::text {
 namespace {
 
@@ -274,14 +276,7 @@ BpeTokenizer& BpeTokenizer::operator=(BpeTokenizer&&) noexcept = default;
 BpeTokenizer::~BpeTokenizer() = default;
 
 BpeTokenizer BpeTokenizer::from_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot read " + path);
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const std::exception& e) {
-    throw std::runtime_error(path + " is not valid JSON: " + e.what());
-  }
+  const json j = models::read_config_json(path);
   auto impl = std::make_unique<Impl>();
   Impl& t = *impl;
   t.path = path;

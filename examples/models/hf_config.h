@@ -1,4 +1,5 @@
-// Reading a Hugging Face config.json for the example models: the file as JSON, and one key at a time
+// Reading a Hugging Face JSON file (config.json, tokenizer.json) for the example models and
+// tokenizers: the file as JSON, and a config's keys one at a time
 // (a key that is absent or null keeps the default; a value of the wrong type is an error naming the
 // file and the key).
 #pragma once

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "examples/models/hf_config.h"
+
 namespace zeal::text {
 namespace {
 
@@ -86,14 +88,7 @@ bool is_punctuation(char32_t c) {
 }  // namespace
 
 WordPieceTokenizer WordPieceTokenizer::from_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot read " + path);
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const std::exception& e) {
-    throw std::runtime_error(path + " is not valid JSON: " + e.what());
-  }
+  const json j = models::read_config_json(path);
   WordPieceTokenizer t;
   try {
     const json& m = j.at("model");

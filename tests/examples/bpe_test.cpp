@@ -26,33 +26,14 @@ class BpePeer : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = (fs::temp_directory_path() / fmt::format("zeal_bpe_{}", ::getpid())).string();
-    const std::string python = zeal_test::peers_python();
-    if (!fs::exists(python)) {
-      why_ = "no peers Python at " + python + " (scripts/peers installs it)";
-      return;
+    peer_ = zeal_test::run_peer_script("examples/bpe_peer.py", dir_ + " " + ZEAL_SOURCE_DIR);
+    if (peer_.skip.empty() && peer_.failure.empty()) {
+      std::ifstream in(dir_ + "/cases.json");
+      cases_ = nlohmann::json::parse(in);
     }
-    const int rc = std::system(fmt::format("{} {}/tests/examples/bpe_peer.py {} {}", python, ZEAL_SOURCE_DIR, dir_, ZEAL_SOURCE_DIR).c_str());
-    const int code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-    if (code == 77) {
-      why_ = python + " has no tokenizers (scripts/peers installs it)";
-      return;
-    }
-    if (code != 0) {
-      failed_ = fmt::format("bpe_peer.py exited {}", code);
-      return;
-    }
-    std::ifstream in(dir_ + "/cases.json");
-    cases_ = nlohmann::json::parse(in);
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
-  void SetUp() override {
-    ASSERT_EQ(failed_, "");
-    if (!why_.empty()) {
-      const char* required = std::getenv("ZEAL_REQUIRE_PEERS");
-      if (required && std::string(required) == "1") FAIL() << why_ << " (ZEAL_REQUIRE_PEERS=1)";
-      GTEST_SKIP() << why_;
-    }
-  }
+  void SetUp() override { ZEAL_NEEDS_PEER(peer_); }
 
   // Every line's ids and decoded text against the peer's; the first few differences shown.
   static void check(const std::string& name) {
@@ -76,10 +57,12 @@ class BpePeer : public ::testing::Test {
     }
     EXPECT_EQ(wrong, 0) << name << ": " << wrong << " of " << lines.size() << " lines differ";
   }
-  static std::string dir_, why_, failed_;
+  static std::string dir_;
+  static zeal_test::PeerScript peer_;
   static nlohmann::json cases_;
 };
-std::string BpePeer::dir_, BpePeer::why_, BpePeer::failed_;
+std::string BpePeer::dir_;
+zeal_test::PeerScript BpePeer::peer_;
 nlohmann::json BpePeer::cases_;
 
 TEST_F(BpePeer, Gpt2StyleGivesTokenizersIdsAndText) {

@@ -29,31 +29,18 @@ class Gpt2Peer : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = (fs::temp_directory_path() / fmt::format("zeal_gpt2_{}", ::getpid())).string();
-    const std::string python = zeal_test::peers_python();
-    if (!fs::exists(python)) {
-      why_ = "no peers Python at " + python + " (scripts/peers installs it)";
-      return;
-    }
-    const int rc = std::system(fmt::format("{} {}/tests/examples/gpt2_peer.py {} > /dev/null 2>&1", python, ZEAL_SOURCE_DIR, dir_).c_str());
-    const int code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-    if (code == 77) why_ = python + " has no transformers (scripts/peers installs it)";
-    else if (code != 0) failed_ = fmt::format("gpt2_peer.py exited {}", code);
+    peer_ = zeal_test::run_peer_script("examples/gpt2_peer.py", dir_ + " > /dev/null 2>&1");
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
-  void SetUp() override {
-    ASSERT_EQ(failed_, "");
-    if (!why_.empty()) {
-      const char* required = std::getenv("ZEAL_REQUIRE_PEERS");
-      if (required && std::string(required) == "1") FAIL() << why_ << " (ZEAL_REQUIRE_PEERS=1)";
-      GTEST_SKIP() << why_;
-    }
-  }
+  void SetUp() override { ZEAL_NEEDS_PEER(peer_); }
   static at::Tensor expected(const std::string& key) {
     return zeal::detail::read_tensor(dir_ + "/expected.safetensors", key);
   }
-  static std::string dir_, why_, failed_;
+  static std::string dir_;
+  static zeal_test::PeerScript peer_;
 };
-std::string Gpt2Peer::dir_, Gpt2Peer::why_, Gpt2Peer::failed_;
+std::string Gpt2Peer::dir_;
+zeal_test::PeerScript Gpt2Peer::peer_;
 
 TEST_F(Gpt2Peer, ItsFilesLoadIntoTheGptExampleAndGiveTransformersLogits) {
   const auto cfg = zeal::models::gpt2_config(dir_ + "/config.json");

@@ -40,27 +40,10 @@ class LlamaPeer : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = (fs::temp_directory_path() / fmt::format("zeal_llama_{}", ::getpid())).string();
-    const std::string python = peers_python();
-    if (!fs::exists(python)) {
-      why_ = "no peers Python at " + python + " (scripts/peers installs it)";
-      return;
-    }
-    const int rc = std::system(fmt::format("{} {}/tests/examples/llama_peer.py {} > {}/peer.log 2>&1", python,
-                                           ZEAL_SOURCE_DIR, dir_, fs::temp_directory_path().string())
-                                   .c_str());
-    const int code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-    if (code == 77) why_ = python + " has no transformers (scripts/peers installs it)";
-    else if (code != 0) failed_ = fmt::format("llama_peer.py exited {}", code);
+    peer_ = zeal_test::run_peer_script("examples/llama_peer.py", dir_ + " > /dev/null 2>&1");
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
-  void SetUp() override {
-    ASSERT_EQ(failed_, "");
-    if (!why_.empty()) {
-      const char* required = std::getenv("ZEAL_REQUIRE_PEERS");
-      if (required && std::string(required) == "1") FAIL() << why_ << " (ZEAL_REQUIRE_PEERS=1)";
-      GTEST_SKIP() << why_;
-    }
-  }
+  void SetUp() override { ZEAL_NEEDS_PEER(peer_); }
   static std::string dir(const std::string& name) { return dir_ + "/" + name; }
   // A tensor of expected.safetensors.
   static at::Tensor expected(const std::string& name, const std::string& key) {
@@ -86,9 +69,11 @@ class LlamaPeer : public ::testing::Test {
     model->eval();
     return model;
   }
-  static std::string dir_, why_, failed_;
+  static std::string dir_;
+  static zeal_test::PeerScript peer_;
 };
-std::string LlamaPeer::dir_, LlamaPeer::why_, LlamaPeer::failed_;
+std::string LlamaPeer::dir_;
+zeal_test::PeerScript LlamaPeer::peer_;
 
 // float64 on both sides: the sums differ only in order, ~1e-15 of the logits' scale per operation;
 // 1e-9 leaves room for that and catches any real difference (fp32 rotary tables alone are 1e-7).
