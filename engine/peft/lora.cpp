@@ -688,7 +688,9 @@ std::shared_ptr<torch::nn::Module> PeftModel::merge_and_unload(Engine* engine) {
     auto B = std::dynamic_pointer_cast<torch::nn::LinearImpl>(lin->named_children()["lora_B"]);
     auto merge = [&] {
       c10::NoGradGuard no_grad;
-      const at::Tensor delta = at::matmul(B->weight.to(at::kFloat), A->weight.to(at::kFloat)) * scaling;
+      // In fp32 at least: 16-bit weights are widened, float64 ones stay (as PEFT merges them).
+      const auto t = at::promote_types(lin->weight.scalar_type(), at::kFloat);
+      const at::Tensor delta = at::matmul(B->weight.to(t), A->weight.to(t)) * scaling;
       lin->weight.add_(delta.to(lin->weight.scalar_type()));
     };
     if (stage3) {

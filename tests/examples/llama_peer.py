@@ -72,6 +72,19 @@ for name, tied in (("untied", False), ("tied", True)):
         for r in out[:, width:].tolist():
             rows.append(r[: r.index(eos) + 1] if eos in r else r)
         return rows
+    # A LoRA adapter made by Python peft (B random, so it is not a no-op) and its float64 logits.
+    try:
+        import peft
+        lc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                             task_type="CAUSAL_LM")
+        torch.manual_seed(3)
+        pm = peft.get_peft_model(LlamaForCausalLM.from_pretrained(d).double().eval(), lc).eval()
+        pm.save_pretrained(os.path.join(d, "py_adapter"))
+        with torch.no_grad():
+            save_file({"logits": pm(ids, attention_mask=mask).logits.contiguous()}, os.path.join(d, "py_adapter_logits.safetensors"))
+    except ImportError as e:
+        print(f"SKIP: no peft: {e}")
+        sys.exit(1 if os.environ.get("ZEAL_REQUIRE_PEERS") == "1" else 77)
     json.dump({"prompts": prompts, "free": [r for r in free[:, width:].tolist()], "eos": eos,
                "stopped": new_tokens(stopped)}, open(os.path.join(d, "generation.json"), "w"))
     print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, logits {tuple(plain.shape)}, loss {loss.item():.6f}")

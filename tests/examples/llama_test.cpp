@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/checkpoint/safetensors.h"
+#include "engine/peft/lora.h"
 #include "engine/config/config.h"
 #include "engine/engine.h"
 #include "engine/error.h"
@@ -242,6 +243,50 @@ TEST_F(LlamaPeer, Stage3RanksGenerateDifferentLengthsWithoutAMismatch) {
         2);
     EXPECT_EQ(zeal::describe_failures(results), "") << (empty_rank ? "with a rank without prompts" : "");
   }
+}
+
+// LoRA on the decoder both ways with Python peft: zeal's adapter and merged export read by peft and
+// transformers (tests/examples/llama_peft_check.py), and an adapter peft made read by zeal.
+TEST_F(LlamaPeer, LoraAdaptersAndMergesAgreeWithPeftBothWays) {
+  const at::Tensor ids = expected("untied", "ids"), mask = expected("untied", "attention_mask");
+  const at::Tensor keep = mask.to(at::kBool);
+  {
+    // Python's adapter in zeal.
+    auto model = load("untied");
+    auto pm = zeal::peft::from_pretrained(model.ptr(), dir("untied") + "/py_adapter");
+    c10::NoGradGuard no_grad;
+    const at::Tensor got = model->forward(ids, mask);
+    const at::Tensor want = zeal::detail::read_tensor(dir("untied") + "/py_adapter_logits.safetensors", "logits");
+    expect_close(got.index({keep}), want.index({keep}), "peft's adapter in zeal");
+  }
+  // zeal's adapter (B random as well), its logits, and its merged export, for Python.
+  auto model = load("untied");
+  zeal::peft::LoraConfig lc;
+  lc.r = 4;
+  lc.lora_alpha = 8;
+  lc.target_modules = {"q_proj", "v_proj", "down_proj"};
+  lc.init_lora_weights = "none";
+  lc.task_type = "CAUSAL_LM";
+  lc.base_model_name_or_path = dir("untied");
+  at::manual_seed(9);
+  auto pm = zeal::peft::get_peft_model(model.ptr(), lc);
+  model->to(at::kDouble);
+  c10::NoGradGuard no_grad;
+  const at::Tensor logits = model->forward(ids, mask).contiguous();
+  {
+    zeal::ckpt::SafetensorsWriter w(dir_ + "/zeal_logits.safetensors",
+                                    {{"logits", "F64", logits.sizes().vec(), static_cast<int64_t>(logits.nbytes()), 0}},
+                                    {{"format", "pt"}});
+    w.append(logits.data_ptr(), static_cast<int64_t>(logits.nbytes()));
+    w.finish();
+  }
+  pm.save_pretrained(dir_ + "/zeal_adapter");
+  pm.merge_and_unload();
+  expect_close(model->forward(ids, mask).index({keep}), logits.index({keep}), "zeal merged vs zeal with the adapter");
+  pm.save_merged(dir_ + "/zeal_merged");
+  const auto check = zeal_test::run_peer_script("examples/llama_peft_check.py", dir_);
+  EXPECT_EQ(check.failure, "") << "Python peft or transformers disagree with zeal (see above)";
+  EXPECT_EQ(check.skip, "");
 }
 
 TEST(LlamaConfig, WhatTheModelDoesNotComputeIsRefusedNamingTheKey) {
