@@ -247,6 +247,10 @@ class Trainer : public detail::TrainerCore {
     return end_train();
   }
 
+  // Prepares the model, optimizer, schedule and loaders now (train, evaluate and predict do it
+  // themselves): before using a model engine.init built, outside the Trainer, ahead of training.
+  void prepare() { ensure_prepared(); }
+
   // The evaluation dataset's loss ("eval_loss") and compute_metrics' values ("eval_" prefixed),
   // logged to the trackers and told to the callbacks. Collective.
   Metrics evaluate() {

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The causal-LM job end to end, as README.md's job section runs it: a small LLaMA and its tokenizer made
+# offline (tests/examples/causal_lm_peer.py), pretrained briefly with zeal (full fine-tuning on
+# "copy: a b c" -> "a b c", merged export), then LoRA instruction-tuned on "reverse" under
+# configs/ds_zero3_cpu.yaml on 2 ranks. The held-out exact match must rise by at least 0.5; every epoch
+# evaluates, prints PEFT's memory lines and a generation; the adapter loads in Python peft and the merged
+# model with transformers' from_pretrained. Skipped (77) without the peers' Python.
+set -euo pipefail
+zeal=$1 prog=$2
+home=${HOME:-$(getent passwd "$(id -u)" | cut -d: -f6)}
+python=${ZEAL_PEERS_PYTHON:-$home/.cache/zeal/peers/bin/python}
+. tests/peers_skip.sh
+[ -x "$python" ] || skip_or_fail "no peers Python at $python (scripts/peers installs it)"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+rc=0
+"$python" tests/examples/causal_lm_peer.py "$work" >/dev/null 2>&1 || rc=$?
+[ "$rc" -eq 77 ] && skip_or_fail "the peers' Python lacks transformers, tokenizers or peft"
+[ "$rc" -eq 0 ] || { echo "FAIL: causal_lm_peer.py exited $rc" >&2; exit 1; }
+common=(--config_file configs/ds_zero3_cpu.yaml --per_device_train_batch_size 8 --lr_scheduler_type constant --save_strategy no)
+"$zeal" launch --num_processes 2 --main_process_port 29573 "$prog" "${common[@]}" --model_dir "$work/model" \
+  --train "$work/pretrain.jsonl" --output_dir "$work/pretrained" --num_train_epochs 30 --learning_rate 3e-3 --full --merged \
+  --logging_steps 1000 >"$work/pretrain.log" 2>&1 || { tail -20 "$work/pretrain.log"; echo "FAIL: the pretraining failed" >&2; exit 1; }
+out=$("$zeal" launch --num_processes 2 --main_process_port 29573 "$prog" "${common[@]}" --model_dir "$work/pretrained/merged" \
+  --train "$work/train.jsonl" --eval "$work/eval.jsonl" --output_dir "$work/out" --num_train_epochs 20 --learning_rate 5e-3 \
+  --target_modules all-linear --lora_r 16 --lora_alpha 32 --logging_steps 1000 --samples 1 --merged 2>&1)
+echo "$out" | grep -v "zeal: step=" | tail -25
+before=$(sed -n 's/^\[rank 0\] exact_match before training: \([0-9.]*\)$/\1/p' <<<"$out")
+after=$(printf '%s\n' "$out" | tail -n 1 | sed -n 's/^\[rank 0\] exact_match: \([0-9.]*\)$/\1/p')
+[ -n "$before" ] && [ -n "$after" ] || { echo "FAIL: no exact_match lines" >&2; exit 1; }
+awk -v a="$before" -v b="$after" 'BEGIN { exit !(b >= a + 0.5) }' || { echo "FAIL: exact match $before -> $after" >&2; exit 1; }
+[ "$(grep -c "CPU Total Peak Memory consumed during the train (max)" <<<"$out")" -eq 20 ] || { echo "FAIL: not one memory report per epoch" >&2; exit 1; }
+[ "$(grep -c "^\[rank 0\] sample: reverse: " <<<"$out")" -eq 20 ] || { echo "FAIL: not one generation per evaluation" >&2; exit 1; }
+rc=0
+"$python" tests/examples/causal_lm_peer.py check "$work" 2>&1 | grep -v "Warning\|warn\|Loading" || rc=$?
+[ "$rc" -eq 0 ] || { echo "FAIL: Python could not load zeal's adapter or merged model" >&2; exit 1; }
+echo "PASS: exact match $before -> $after"
