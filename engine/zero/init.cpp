@@ -91,7 +91,7 @@ InitContext::~InitContext() {
 
 InitContext* InitContext::current() { return g_current; }
 
-void InitContext::partition(ShardedBase& unit) {
+bool InitContext::partition(ShardedBase& unit) {
   c10::NoGradGuard no_grad;
   const int world = comm_.world_size();
   const int rank = comm_.rank();
@@ -112,6 +112,7 @@ void InitContext::partition(ShardedBase& unit) {
     free_storage(p);
   }
   largest_unit_ = std::max(largest_unit_, bytes);
+  return partition_;
 }
 
 std::shared_ptr<InitShards> InitContext::finish(torch::nn::Module& model, InitReport* report) {
@@ -143,7 +144,7 @@ std::shared_ptr<InitShards> InitContext::finish(torch::nn::Module& model, InitRe
 }  // namespace zero
 
 void ShardedBase::constructed() {
-  if (auto* c = zero::InitContext::current()) c->partition(*this);
+  if (auto* c = zero::InitContext::current()) partitioned_ = c->partition(*this);
 }
 
 }  // namespace zeal

@@ -82,7 +82,8 @@ class InitContext {
   // The context open on this thread (null when none).
   static InitContext* current();
   // Called by a Sharded member's constructor once its block exists.
-  void partition(ShardedBase& unit);
+  // Returns whether the unit's parameters now hold only this rank's slices.
+  bool partition(ShardedBase& unit);
   // Closes the context over the built model; returns the slices (empty unless partitioned).
   std::shared_ptr<InitShards> finish(torch::nn::Module& model, InitReport* report);
 

@@ -2,8 +2,10 @@
 // a unit's pre-backward and post-backward points into the autograd graph.
 #include "engine/zero/sharded.h"
 
+#include <fmt/format.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "engine/error.h"
 #include "engine/zero/stage3.h"
 #include "engine/zero/unit.h"
 
@@ -61,7 +63,16 @@ struct PostBackward : public torch::autograd::Function<PostBackward> {
 }  // namespace
 
 bool ShardedBase::pre_forward() {
-  if (!unit_) return false;
+  if (!unit_) {
+    // Its parameters' storage went with the partitioning: running the block would read freed memory.
+    if (partitioned_) {
+      throw Error(fmt::format("a zeal::Sharded unit ({}) of a model engine.init built partitioned (stage 3, "
+                              "zero3_init_flag) ran before engine.prepare: it holds only this rank's slices of its "
+                              "parameters until the model is prepared with its optimizer",
+                              block()->name()));
+    }
+    return false;
+  }
   auto l = link_.lock();
   if (!l || !l->stage) return false;
   unit_->pre_forward();

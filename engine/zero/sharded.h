@@ -82,6 +82,7 @@ class ShardedBase : public torch::nn::Module {
  private:
   zero::Unit* unit_ = nullptr;
   std::weak_ptr<zero::Stage3Link> link_;
+  bool partitioned_ = false;  // engine.init kept only this rank's slices: unusable until prepared
   bool checkpointing_ = false;
   CheckpointOptions checkpoint_options_;
 };

@@ -289,6 +289,39 @@ TEST_F(LlamaPeer, LoraAdaptersAndMergesAgreeWithPeftBothWays) {
   EXPECT_EQ(check.skip, "");
 }
 
+// A model engine.init partitioned holds only slices until prepared: using it before is an error naming
+// the unit, not a read of freed memory; prepared, it runs.
+TEST(LlamaInit, APartitionedModelUsedBeforePrepareIsRefused) {
+  const auto results = spawn_checked(
+      [&](zeal::Runtime& rt) {
+        zeal::Config c = zeal::Config::parse(
+            R"({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "zero3_init_flag": true}})", "ds.json");
+        c.launch.use_cpu = true;
+        zeal::Engine engine(c, rt);
+        LlamaConfig cfg;
+        cfg.vocab_size = 50;
+        cfg.hidden_size = 16;
+        cfg.intermediate_size = 32;
+        cfg.num_hidden_layers = 2;
+        cfg.num_attention_heads = 2;
+        cfg.num_key_value_heads = 1;
+        auto model = engine.init<LlamaForCausalLM>(cfg);
+        const at::Tensor ids = at::randint(0, 50, {2, 5}, at::kLong);
+        try {
+          (void)model->forward(ids);
+          ADD_FAILURE() << "a partitioned model ran before prepare";
+        } catch (const zeal::Error& e) {
+          EXPECT_NE(std::string(e.what()).find("ran before engine.prepare"), std::string::npos) << e.what();
+        }
+        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+        auto [m, po] = engine.prepare(model, opt);
+        (void)po;
+        EXPECT_EQ(m->forward(ids).sizes(), (std::vector<int64_t>{2, 5, 50}));
+      },
+      2);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+}
+
 TEST(LlamaConfig, WhatTheModelDoesNotComputeIsRefusedNamingTheKey) {
   const std::string path = (fs::temp_directory_path() / fmt::format("zeal_llama_cfg_{}.json", ::getpid())).string();
   auto refused = [&](const std::string& json, const std::string& says) {
