@@ -36,6 +36,14 @@ using zeal::models::LlamaCache;
 using zeal::models::LlamaConfig;
 using zeal::models::LlamaForCausalLM;
 
+// transformers' weights into the model, every parameter from the file.
+zeal::PretrainedReport strict_load(LlamaForCausalLM& model, const std::string& dir) {
+  zeal::PretrainedOptions o;
+  o.strict = true;
+  o.quiet = true;
+  return zeal::load_pretrained(model, dir, o);
+}
+
 // The checkpoints, made once per test program.
 class LlamaPeer : public ::testing::Test {
  protected:
@@ -48,23 +56,12 @@ class LlamaPeer : public ::testing::Test {
   static std::string dir(const std::string& name) { return dir_ + "/" + name; }
   // A tensor of expected.safetensors.
   static at::Tensor expected(const std::string& name, const std::string& key) {
-    const std::string path = dir(name) + "/expected.safetensors";
-    const auto header = zeal::ckpt::read_safetensors_header(path);
-    const auto& e = header.tensors.at(key);
-    const at::ScalarType t = e.dtype == "F64" ? at::kDouble : e.dtype == "I64" ? at::kLong : at::kFloat;
-    at::Tensor out = at::empty(e.shape, at::TensorOptions(t));
-    std::ifstream f(path, std::ios::binary);
-    f.seekg(e.offset);
-    f.read(static_cast<char*>(out.data_ptr()), e.bytes);
-    return out;
+    return zeal::detail::read_tensor(dir(name) + "/expected.safetensors", key);
   }
   static LlamaForCausalLM load(const std::string& name) {
     const auto cfg = LlamaConfig::from_file(dir(name) + "/config.json");
     LlamaForCausalLM model(cfg);
-    zeal::PretrainedOptions o;
-    o.strict = true;
-    o.quiet = true;
-    const auto report = zeal::load_pretrained(model, dir(name), o);
+    const auto report = strict_load(model, dir(name));
     EXPECT_TRUE(report.unused.empty()) << report.unused.front();
     model->to(at::kDouble);
     model->eval();
@@ -137,10 +134,7 @@ TEST_F(LlamaPeer, Stage3OnTwoRanksGivesOneProcesssLogits) {
         zeal::Engine engine(c, rt);
         const auto cfg = LlamaConfig::from_file(model_dir + "/config.json");
         auto model = engine.init<LlamaForCausalLM>(cfg);
-        zeal::PretrainedOptions o;
-        o.strict = true;
-        o.quiet = true;
-        zeal::load_pretrained(model, model_dir, o);
+        strict_load(model, model_dir);
         torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
         auto [m, po] = engine.prepare(model, opt);
         (void)po;
@@ -159,10 +153,7 @@ TEST_F(LlamaPeer, Stage3OnTwoRanksGivesOneProcesssLogits) {
   at::set_num_threads(1);
   const auto cfg = LlamaConfig::from_file(model_dir + "/config.json");
   LlamaForCausalLM one(cfg);
-  zeal::PretrainedOptions o;
-  o.strict = true;
-  o.quiet = true;
-  zeal::load_pretrained(one, model_dir, o);
+  strict_load(one, model_dir);
   one->eval();
   c10::NoGradGuard no_grad;
   const at::Tensor mask = expected("untied", "attention_mask");
@@ -221,10 +212,7 @@ TEST_F(LlamaPeer, Stage3RanksGenerateDifferentLengthsWithoutAMismatch) {
           c.launch.use_cpu = true;
           zeal::Engine engine(c, rt);
           LlamaForCausalLM model(LlamaConfig::from_file(model_dir + "/config.json"));
-          zeal::PretrainedOptions o;
-          o.strict = true;
-          o.quiet = true;
-          zeal::load_pretrained(model, model_dir, o);
+          strict_load(model, model_dir);
           torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
           auto [m, po] = engine.prepare(model, opt);
           (void)po;
