@@ -10,19 +10,33 @@
 // rank's batch b concatenated in rank order), shuffled identically on every rank for a given seed
 // and epoch; size() is the number of batches this rank gets. The epoch advances by itself each
 // time an iteration runs to its end, or is set with set_epoch. Batches are moved to the engine's
-// device unless device_placement is off.
+// device unless device_placement is off: tensors, torch::data::Example, and any batch type with a
+// `to_device(Batch, at::Device)` found by argument-dependent lookup (define it in the batch's
+// namespace); on a non-CPU device a batch type without one is an error, never left on the host.
+//
+// num_workers > 0 prepares batches (the dataset's get and the collate function) on that many
+// background threads while the step runs, up to prefetch_factor batches per worker ahead of the
+// one being used, in the same order and with the same contents as without workers; get() and the
+// collate function are then called from several threads at once and must allow it. An exception
+// thrown while preparing a batch is rethrown, unchanged, where that batch is used. stats() says how
+// much of the preparation was on the training loop's critical path.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/data/example.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
+#include "engine/data/prefetch.h"
 #include "engine/data/shard.h"
 #include "engine/error.h"
 
@@ -36,6 +50,8 @@ struct LoaderOptions {
   bool even_batches = true;    // pad the last global batch by repeating samples from the start
   bool split_batches = false;  // batch_size is the global batch, divided among the ranks
   bool device_placement = true;
+  int num_workers = 0;      // background threads preparing batches (0: in the loop, when used)
+  int prefetch_factor = 2;  // batches prepared ahead per worker
 };
 
 namespace data {
@@ -94,6 +110,13 @@ torch::data::Example<Data, Target> to_device(torch::data::Example<Data, Target> 
   return e;
 }
 
+// Where batch preparation spent its time this epoch (reset at begin()).
+struct LoaderStats {
+  int64_t batches = 0;
+  double prepare_seconds = 0;   // building batches (get + collate), on whichever thread did it
+  double critical_seconds = 0;  // the loop's time inside the loader: building inline, or waiting for a worker, and placing
+};
+
 template <class D>
 int64_t dataset_size(const D& d) {
   auto n = d.size();
@@ -127,6 +150,11 @@ class DataLoader {
   void set_epoch(int64_t epoch) { s_->next_epoch = epoch; }
   int64_t epoch() const { return s_->next_epoch; }
   bool prepared() const { return s_->bound; }
+  data::LoaderStats stats() const {
+    data::LoaderStats out = s_->stats;
+    out.prepare_seconds = static_cast<double>(s_->prepare_ns.load()) * 1e-9;
+    return out;
+  }
 
   // Called by engine.prepare(); a loader is bound to one engine.
   void bind(const data::Binding& binding) {
@@ -162,11 +190,12 @@ class DataLoader {
     void load() {
       if (current_) return;
       auto& st = *s_;
-      std::vector<Example> items;
-      for (int64_t i : st.plan->batch(b_)) items.push_back(st.dataset.get(static_cast<size_t>(i)));
-      Batch batch = st.collate(std::move(items));
+      const auto t0 = std::chrono::steady_clock::now();
+      Batch batch = st.prefetch ? st.prefetch->take(b_) : build(st, b_);
       if (st.options.device_placement) batch = place(std::move(batch), st.binding.device);
       current_ = std::move(batch);
+      ++st.stats.batches;
+      st.stats.critical_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (auto& p = st.binding.progress) {
         p->active = true;
         p->batch = b_;
@@ -181,6 +210,7 @@ class DataLoader {
     }
     void finish() const {
       if (s_->finished_epoch == s_->running_epoch) return;
+      s_->prefetch.reset();
       s_->finished_epoch = s_->running_epoch;
       s_->next_epoch = s_->running_epoch + 1;
       if (auto& p = s_->binding.progress) *p = data::Progress{};
@@ -190,9 +220,15 @@ class DataLoader {
       }
     }
     static Batch place(Batch b, at::Device d) {
-      if constexpr (requires { data::to_device(std::move(b), d); }) {
-        return data::to_device(std::move(b), d);
+      using data::to_device;
+      if constexpr (requires { to_device(std::move(b), d); }) {
+        return to_device(std::move(b), d);
       } else {
+        if (!d.is_cpu()) {
+          throw Error(std::string("zeal::DataLoader cannot move a batch of type ") + typeid(Batch).name() + " to " +
+                      d.str() + ": define to_device(Batch, at::Device) in the batch type's namespace, or set "
+                      "device_placement = false and move it yourself");
+        }
         return b;
       }
     }
@@ -204,6 +240,7 @@ class DataLoader {
   // Starts an epoch: the order is fixed by the seed and the epoch. After engine.load_state, the
   // saved epoch from the batch after the last one the saved run yielded.
   iterator begin() {
+    s_->prefetch.reset();  // an earlier iteration's workers, before the plan changes under them
     int64_t first = 0;
     if (auto& c = s_->binding.cursor; c && c->resume_epoch >= 0) {
       s_->next_epoch = c->resume_epoch;
@@ -216,6 +253,15 @@ class DataLoader {
     if (auto& c = s_->binding.cursor) {
       c->epoch = s_->running_epoch;
       c->samples = first * s_->plan->per_rank_batch() * s_->binding.world_size;
+    }
+    s_->stats = {};
+    s_->prepare_ns = 0;
+    if (s_->options.num_workers > 0 && first < size()) {
+      auto* st = s_.get();  // the state owns the prefetcher, so outlives its threads
+      s_->prefetch = std::make_unique<data::Prefetcher<Batch>>(
+          first, size(), s_->options.num_workers,
+          static_cast<int64_t>(s_->options.num_workers) * std::max(1, s_->options.prefetch_factor),
+          [st](int64_t b) { return build(*st, b); });
     }
     return iterator(s_, first);
   }
@@ -232,8 +278,23 @@ class DataLoader {
     bool bound = false;
     std::optional<data::ShardPlan> plan;
     int64_t next_epoch = 0, running_epoch = 0, finished_epoch = -1;
+    data::LoaderStats stats;
+    std::atomic<int64_t> prepare_ns{0};
+    std::unique_ptr<data::Prefetcher<Batch>> prefetch;  // last member: its threads stop first
   };
+  // Batch b of the running epoch: the dataset's examples through the collate function.
+  static Batch build(State& st, int64_t b) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<Example> items;
+    for (int64_t i : st.plan->batch(b)) items.push_back(st.dataset.get(static_cast<size_t>(i)));
+    Batch batch = st.collate(std::move(items));
+    st.prepare_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    return batch;
+  }
   void replan() {
+    if (s_->options.num_workers < 0) throw Error("zeal::DataLoader: num_workers must be >= 0, got " + std::to_string(s_->options.num_workers));
+    if (s_->options.prefetch_factor < 1) throw Error("zeal::DataLoader: prefetch_factor must be >= 1, got " + std::to_string(s_->options.prefetch_factor));
+    s_->prefetch.reset();
     data::ShardOptions o;
     o.batch_size = s_->options.batch_size;
     o.split_batches = s_->options.split_batches;

@@ -167,6 +167,8 @@ const std::vector<Field>& fields() {
       ZEAL_TEXT(run_name, "the trackers' project name (default trainer)"),
       ZEAL_BOOL(disable_tqdm, "no progress bar"),
       ZEAL_BOOL(dataloader_drop_last, "drop the last incomplete batch"),
+      ZEAL_INT(dataloader_num_workers, 0, "threads preparing batches while the step runs (0: in the loop)"),
+      ZEAL_INT(dataloader_prefetch_factor, 1, "batches prepared ahead per worker"),
       ZEAL_INT(early_stopping_patience, 0, "stop after this many evaluations without improvement (0: never)"),
       ZEAL_REAL(early_stopping_threshold, 0.0, 1e300, "the improvement that counts"),
   };

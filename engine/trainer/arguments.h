@@ -57,6 +57,8 @@ struct TrainingArguments {
   std::string run_name;         // the trackers' project name; "" : "trainer"
   bool disable_tqdm = false;    // no progress bar (plain lines every logging_steps instead)
   bool dataloader_drop_last = false;
+  int64_t dataloader_num_workers = 0;      // threads preparing batches beside the step (zeal::LoaderOptions)
+  int64_t dataloader_prefetch_factor = 2;  // batches prepared ahead per worker
   int64_t early_stopping_patience = 0;      // > 0: adds HF's EarlyStoppingCallback with these
   double early_stopping_threshold = 0.0;
 

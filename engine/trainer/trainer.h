@@ -101,7 +101,8 @@ class TrainerCore {
   // here (training stops, or a callback ends the epoch).
   bool after_step(int64_t epoch);
   // `finished`: the loader ran to the epoch's end (a stop may leave it before). True when training ends.
-  bool end_epoch(int64_t epoch, bool finished);
+  // `data`: the train loader's time this epoch (a line says how much was on the loop's path).
+  bool end_epoch(int64_t epoch, bool finished, const data::LoaderStats& data);
   TrainOutput end_train();
   int64_t epochs_to_run() const { return state_.num_train_epochs; }
   bool training_stops() const { return control_.should_training_stop; }
@@ -242,7 +243,7 @@ class Trainer : public detail::TrainerCore {
         }
       }
       // As Hugging Face's loop: the epoch's end (its evaluation and save) comes even after a stop.
-      if (end_epoch(epoch, finished)) break;
+      if (end_epoch(epoch, finished, train_->stats())) break;
     }
     return end_train();
   }
@@ -326,11 +327,17 @@ class Trainer : public detail::TrainerCore {
           t.shuffle = shuffle_train;
           t.seed = args_.seed;
           t.drop_last = args_.dataloader_drop_last;
+          t.num_workers = static_cast<int>(args_.dataloader_num_workers);
+          t.prefetch_factor = static_cast<int>(args_.dataloader_prefetch_factor);
           train_.emplace(std::move(*train_set_), t, collate_);
           train_set_.reset();
           *train_ = engine_.prepare(*train_);
           if (eval_set_) {
-            eval_.emplace(std::move(*eval_set_), LoaderOptions{.batch_size = args_.per_device_eval_batch_size}, collate_);
+            eval_.emplace(std::move(*eval_set_),
+                          LoaderOptions{.batch_size = args_.per_device_eval_batch_size,
+                                        .num_workers = t.num_workers,
+                                        .prefetch_factor = t.prefetch_factor},
+                          collate_);
             eval_set_.reset();
             *eval_ = engine_.prepare(*eval_);
           }

@@ -466,7 +466,7 @@ bool TrainerCore::after_step(int64_t epoch) {
 }
 
 
-bool TrainerCore::end_epoch(int64_t epoch, bool finished) {
+bool TrainerCore::end_epoch(int64_t epoch, bool finished, const data::LoaderStats& data) {
   // An epoch a stop left early stays the current one: a resumed run goes on inside it, where its
   // loader stands.
   state_.epochs_completed = finished ? epoch + 1 : epoch;
@@ -481,6 +481,13 @@ bool TrainerCore::end_epoch(int64_t epoch, bool finished) {
     if (engine_.is_main_process()) {
       for (const auto& l : m.lines()) say(l);
     }
+  }
+  if (engine_.is_main_process() && data.batches > 0) {
+    say(fmt::format("data: {:.3f} s of the loop's time in the train loader for {} batches; preparing them took {:.3f} s{}",
+                    data.critical_seconds, data.batches, data.prepare_seconds,
+                    args_.dataloader_num_workers > 0
+                        ? fmt::format(" on {} worker thread{}", args_.dataloader_num_workers, args_.dataloader_num_workers > 1 ? "s" : "")
+                        : std::string(" in the loop")));
   }
   maybe_log_save_evaluate();
   return control_.should_training_stop;

@@ -94,6 +94,7 @@ int main(int argc, char** argv) {
   args.learning_rate = 2e-4;
   args.logging_steps = 10;
   args.run_name = "finetune_causal_lm";
+  args.dataloader_num_workers = 1;
   if (auto code = zeal_examples::parse_trainer_flags(app, argc, argv, "finetune_causal_lm", args)) return *code;
   if (!eval_path.empty() && args.eval_strategy == "no") args.eval_strategy = "epoch";
   std::optional<zeal::Config> config = zeal_examples::load_config(argc, argv, "finetune_causal_lm");
@@ -101,13 +102,16 @@ int main(int argc, char** argv) {
   try {
     zeal::check_output_dir(args.output_dir, "--output_dir");
     zeal::Engine engine(std::move(*config));
-    const auto tok = zeal::text::BpeTokenizer::from_file(model_dir + "/tokenizer.json");
+    const auto tok_ptr = std::make_shared<const zeal::text::BpeTokenizer>(
+        zeal::text::BpeTokenizer::from_file(model_dir + "/tokenizer.json"));
+    const auto& tok = *tok_ptr;
     const ChatTemplate chat;
-    auto train = read_instructions(train_path, tok, chat, max_length);
-    std::optional<InstructionSet> eval;
+    // Records are tokenized as the loader's workers prepare their batches.
+    InstructionStream train(train_path, tok_ptr, chat, max_length);
+    std::optional<InstructionStream> eval;
     std::vector<Prompt> eval_prompts;
     if (!eval_path.empty()) {
-      eval.emplace(read_instructions(eval_path, tok, chat, max_length));
+      eval.emplace(eval_path, tok_ptr, chat, max_length);
       eval_prompts = prompts(eval_path, tok, chat);
     }
     const int64_t pad = std::max<int64_t>(0, tok.token_id("<|pad|>"));
@@ -130,7 +134,7 @@ int main(int argc, char** argv) {
       peft = zeal::peft::get_peft_model(model, lc);
       if (engine.is_main_process()) peft.print_trainable_parameters();
     }
-    zeal::Trainer trainer(engine, model, args, InstructionSet(std::move(train)), std::move(eval),
+    zeal::Trainer trainer(engine, model, args, std::move(train), std::move(eval),
                           [&](const InstructionBatch& b) { return model->loss(b.data, b.labels, b.attention_mask); },
                           PadCollate{pad});
     // Greedy generations of the evaluation prompts: a few printed at each evaluation; the exact

@@ -8,13 +8,23 @@
 //   zeal::DataLoader loader(zeal::models::InstructionSet(examples), {.batch_size = 8},
 //                           zeal::models::PadCollate{tok.token_id("<|pad|>")});
 //   // batch.data: ids [B, T], batch.labels, batch.attention_mask
+//
+// InstructionStream reads the same files without holding them: it keeps each record's place in the
+// file and tokenizes a record when a loader asks for it (on the loader's worker threads when
+// num_workers > 0), so tokenization runs beside the training step.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -123,6 +133,96 @@ inline std::vector<InstructionExample> read_instructions(const std::string& path
   return out;
 }
 
+// A JSON-lines file read record by record: the constructor reads the file once, checks that every
+// record is JSON of one of the two shapes (naming file:line) and keeps where each starts; get(i)
+// reads record i again and tokenizes it (truncated to max_length when > 0). get() may run on several
+// threads at once.
+class InstructionStream {
+ public:
+  InstructionStream(const std::string& path, std::shared_ptr<const zeal::text::BpeTokenizer> tok, ChatTemplate t,
+                    int64_t max_length = 0)
+      : path_(path), tok_(std::move(tok)), t_(std::move(t)), max_length_(max_length) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw std::runtime_error("cannot read " + path);
+    int64_t line_no = 0, offset = 0;
+    for (std::string line; std::getline(in, line);) {
+      ++line_no;
+      const int64_t start = offset;
+      offset += static_cast<int64_t>(line.size()) + 1;
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      const std::string where = path + ":" + std::to_string(line_no);
+      check(line, where);
+      records_.push_back({start, static_cast<int64_t>(line.size()), line_no});
+    }
+    if (records_.empty()) throw std::runtime_error(path + " holds no record");
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
+    fd_ = std::shared_ptr<int>(new int(fd), [](int* f) { ::close(*f), delete f; });
+  }
+
+  InstructionExample get(size_t i) const {
+    const Record& r = records_.at(i);
+    std::string line(static_cast<size_t>(r.length), '\0');
+    size_t got = 0;
+    while (got < line.size()) {
+      const ssize_t n = ::pread(*fd_, line.data() + got, line.size() - got, r.offset + static_cast<int64_t>(got));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) throw std::runtime_error(where(r) + ": cannot read the record again (the file changed?)");
+      got += static_cast<size_t>(n);
+    }
+    auto e = tokenize_instruction(parse(line, where(r)), *tok_, t_, where(r));
+    if (max_length_ > 0 && static_cast<int64_t>(e.ids.size()) > max_length_) {
+      e.ids.resize(static_cast<size_t>(max_length_));
+      e.labels.resize(static_cast<size_t>(max_length_));
+    }
+    return e;
+  }
+  size_t size() const { return records_.size(); }
+
+ private:
+  struct Record {
+    int64_t offset, length, line;
+  };
+  std::string where(const Record& r) const { return path_ + ":" + std::to_string(r.line); }
+  static nlohmann::json parse(const std::string& line, const std::string& where) {
+    try {
+      return nlohmann::json::parse(line);
+    } catch (const std::exception& x) {
+      throw std::runtime_error(where + ": not JSON: " + x.what());
+    }
+  }
+  // The record's shape, without tokenizing it.
+  static void check(const std::string& line, const std::string& where) {
+    const auto r = parse(line, where);
+    auto is_string = [&](const char* k) { return r.is_object() && r.contains(k) && r.at(k).is_string(); };
+    bool ok = is_string("prompt") && is_string("response");
+    if (!ok && r.is_object() && r.contains("messages") && r.at("messages").is_array()) {
+      bool assistant = false;
+      ok = true;
+      for (const auto& m : r.at("messages")) {
+        ok = ok && m.is_object() && m.contains("role") && m.at("role").is_string() && m.contains("content") &&
+             m.at("content").is_string();
+        if (!ok) break;
+        const auto role = m.at("role").get<std::string>();
+        if (role != "system" && role != "user" && role != "assistant") {
+          throw std::runtime_error(where + ": unknown role '" + role + "' (system, user, assistant)");
+        }
+        assistant = assistant || role == "assistant";
+      }
+      if (ok && !assistant) throw std::runtime_error(where + ": the record has no assistant response to learn");
+    }
+    if (!ok) {
+      throw std::runtime_error(where + ": a record needs prompt and response strings, or messages with role and content");
+    }
+  }
+  std::string path_;
+  std::shared_ptr<const zeal::text::BpeTokenizer> tok_;
+  ChatTemplate t_;
+  int64_t max_length_;
+  std::vector<Record> records_;
+  std::shared_ptr<int> fd_;
+};
+
 // Examples concatenated and cut into rows of `length` (the last partial row dropped): no padding;
 // a row's tokens may see the previous record's.
 inline std::vector<InstructionExample> pack(const std::vector<InstructionExample>& examples, int64_t length) {
@@ -174,11 +274,10 @@ struct PadCollate {
   }
 };
 
-}  // namespace zeal::models
-
-namespace zeal::data {
-// Moved to the engine's device by a prepared loader.
-inline models::InstructionBatch to_device(models::InstructionBatch b, at::Device d) {
-  return {to_device(std::move(b.data), d), to_device(std::move(b.labels), d), to_device(std::move(b.attention_mask), d)};
+// Moved to the engine's device by a prepared loader (found by argument-dependent lookup).
+inline InstructionBatch to_device(InstructionBatch b, at::Device d) {
+  return {data::to_device(std::move(b.data), d), data::to_device(std::move(b.labels), d),
+          data::to_device(std::move(b.attention_mask), d)};
 }
-}  // namespace zeal::data
+
+}  // namespace zeal::models

@@ -30,6 +30,7 @@ after=$(printf '%s\n' "$out" | tail -n 1 | sed -n 's/^\[rank 0\] exact_match: \(
 [ -n "$before" ] && [ -n "$after" ] || { echo "FAIL: no exact_match lines" >&2; exit 1; }
 awk -v a="$before" -v b="$after" 'BEGIN { exit !(b >= a + 0.5) }' || { echo "FAIL: exact match $before -> $after" >&2; exit 1; }
 [ "$(grep -c "CPU Total Peak Memory consumed during the train (max)" <<<"$out")" -eq 20 ] || { echo "FAIL: not one memory report per epoch" >&2; exit 1; }
+[ "$(grep -c "^\[rank 0\] data: .* on 1 worker thread$" <<<"$out")" -eq 20 ] || { echo "FAIL: not one data line per epoch from the loader's worker" >&2; exit 1; }
 [ "$(grep -c "^\[rank 0\] sample: reverse: " <<<"$out")" -eq 20 ] || { echo "FAIL: not one generation per evaluation" >&2; exit 1; }
 rc=0
 "$python" tests/examples/causal_lm_peer.py check "$work" 2>&1 | grep -v "Warning\|warn\|Loading" || rc=$?

@@ -131,6 +131,53 @@ TEST_F(Instructions, AFileIsReadAndItsBadLinesAreNamed) {
   fs::remove(file);
 }
 
+// The streaming dataset: the same examples as read_instructions, built in worker threads, in the
+// same batches; bad records named at construction with their line.
+TEST_F(Instructions, AStreamGivesTheFilesExamplesThroughWorkers) {
+  auto tok = std::make_shared<const zeal::text::BpeTokenizer>(zeal::text::BpeTokenizer::from_file(path_));
+  const std::string file = (fs::temp_directory_path() / fmt::format("zeal_stream_{}.jsonl", ::getpid())).string();
+  {
+    std::ofstream f(file);
+    for (int k = 0; k < 9; ++k) f << json::parse(kRecords[static_cast<size_t>(k) % kRecords.size()]).dump() << (k % 4 ? "\n" : "\n \n");
+  }
+  for (int64_t max_length : {0, 12}) {
+    const auto expected = zeal::models::read_instructions(file, *tok, chat_, max_length);
+    zeal::models::InstructionStream stream(file, tok, chat_, max_length);
+    ASSERT_EQ(stream.size(), expected.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_EQ(stream.get(i).ids, expected[i].ids) << i;
+      EXPECT_EQ(stream.get(i).labels, expected[i].labels) << i;
+    }
+    zeal::DataLoader plain(zeal::models::InstructionSet(expected), {.batch_size = 2, .shuffle = true},
+                           zeal::models::PadCollate{0});
+    zeal::DataLoader loader(std::move(stream), {.batch_size = 2, .shuffle = true, .num_workers = 2},
+                            zeal::models::PadCollate{0});
+    auto p = plain.begin();
+    int64_t batches = 0;
+    for (const auto& b : loader) {
+      EXPECT_TRUE(at::equal(b.data, (*p).data));
+      EXPECT_TRUE(at::equal(b.labels, (*p).labels));
+      ++p, ++batches;
+    }
+    EXPECT_EQ(batches, plain.size());
+  }
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"({"prompt": "no answer"})", ":2: a record needs prompt and response"},
+      {R"({"prompt": "a", "response": "b")", ":2: not JSON"},
+      {R"({"messages": [{"role": "user", "content": "hi"}]})", ":2: the record has no assistant response"},
+      {R"({"messages": [{"role": "bot", "content": "hi"}]})", ":2: unknown role 'bot'"}};
+  for (const auto& [line, message] : bad) {
+    std::ofstream(file) << kRecords[0] << "\n" << line << "\n";
+    try {
+      zeal::models::InstructionStream s(file, tok, chat_);
+      ADD_FAILURE() << "accepted: " << line;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(file + message), std::string::npos) << e.what();
+    }
+  }
+  fs::remove(file);
+}
+
 // The model's loss: the mean over the response tokens of -log p(token | everything before it).
 TEST_F(Instructions, TheLossOfABatchIsTheResponsesAloneComputedByHand) {
   const auto tok = zeal::text::BpeTokenizer::from_file(path_);
