@@ -1,11 +1,16 @@
-// lora_bench: one fine-tuning step of all-MiniLM-L6-v2 (BERT, 22.7 M parameters, loaded from its
-// Hugging Face files) with a 5-way classification head, on CPU ranks, fp32, AdamW: LoRA (r 8 on the
-// attention's query and value, the head trained whole) and full fine-tuning, zeal at ZeRO stages 0
-// and 3 and, in the same run, Python transformers + peft under DDP (benchmarks/lora_peer.py), on
-// the same token ids, labels, ranks and torch threads per rank.
+// lora_bench: one fine-tuning step on CPU ranks, fp32, AdamW, LoRA (r 8 on the attention's query and
+// value projections) and full fine-tuning, zeal at ZeRO stages 0 and 3 and, in the same run, Python
+// transformers + peft under DDP (benchmarks/lora_peer.py), on the same weights, token ids, labels,
+// ranks and torch threads per rank. Two models:
+// - `--model minilm` (default): all-MiniLM-L6-v2 (BERT, 22.7 M parameters, loaded from its Hugging
+//   Face files) with a 5-way classification head, trained whole beside the adapters;
+// - `--model llama`: a LLaMA-shaped decoder (grouped-query attention, SwiGLU, untied head; its shape
+//   from --llama_config, a transformers config.json, or the default below) that the peer's
+//   transformers initializes and saves and zeal loads: the causal-LM loss on every token.
 //
-//   build/bin/lora_bench [--model_dir DIR] [--world N] [--threads T] [--steps S] [--rounds R]
-//       [--seq_len L] [--micro_batch B] [--stages 0,3] [--json PATH] [--python EXE] [--no-peers]
+//   build/bin/lora_bench [--model minilm|llama] [--model_dir DIR] [--llama_config FILE] [--world N]
+//       [--threads T] [--steps S] [--rounds R] [--seq_len L] [--micro_batch B] [--stages 0,3]
+//       [--json PATH] [--python EXE] [--no-peers]
 //
 // Per configuration run: the median step time (forward, backward, optimizer step, zero_grad; the
 // slowest rank per step; one untimed warm-up step first) and the per-rank peak memory: the peak
@@ -54,6 +59,7 @@
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
 #include "examples/models/bert.h"
+#include "examples/models/llama.h"
 #include "engine/output.h"
 
 using nlohmann::json;
@@ -62,7 +68,8 @@ namespace fs = std::filesystem;
 namespace {
 
 struct Options {
-  std::string model_dir;
+  std::string model = "minilm";  // or llama
+  std::string model_dir, llama_config;
   int world = 2, threads = 1, steps = 5, rounds = 3;
   int64_t seq_len = 128, micro_batch = 8, num_labels = 5, r = 8, lora_alpha = 16;
   double lora_dropout = 0.1;
@@ -132,24 +139,40 @@ Run run_zeal(const Options& o, int stage, bool lora, bool big_threshold, const a
         c.zero.stage = stage;
         c.zero.zero3_init_flag = stage == 3;
         zeal::Engine engine(c, rt);
-        const auto cfg = zeal::models::BertConfig::from_file(o.model_dir + "/config.json");
         zeal::detail::reset_resident_peak();
         const int64_t base = zeal::detail::resident_bytes();
         at::manual_seed(1234);
-        auto model = engine.init<zeal::models::BertForSequenceClassification>(cfg, o.num_labels);
         zeal::PretrainedOptions lo;
         lo.quiet = true;
-        zeal::load_pretrained(model, o.model_dir, lo);
-        std::vector<at::Tensor> trainable;
-        zeal::peft::PeftModel peft;
-        if (lora) {
-          zeal::peft::LoraConfig lc;
-          lc.r = o.r;
-          lc.lora_alpha = static_cast<double>(o.lora_alpha);
-          lc.lora_dropout = o.lora_dropout;
+        zeal::peft::LoraConfig lc;
+        lc.r = o.r;
+        lc.lora_alpha = static_cast<double>(o.lora_alpha);
+        lc.lora_dropout = o.lora_dropout;
+        std::shared_ptr<torch::nn::Module> model;
+        std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;
+        if (o.model == "llama") {
+          auto m = engine.init<zeal::models::LlamaForCausalLM>(zeal::models::LlamaConfig::from_file(o.model_dir + "/config.json"));
+          lo.strict = true;
+          zeal::load_pretrained(m, o.model_dir, lo);
+          lc.target_modules = {"q_proj", "v_proj"};
+          lc.task_type = "CAUSAL_LM";
+          loss = [m](const at::Tensor& x, const at::Tensor&) mutable { return m->loss(x, x, at::ones_like(x)); };
+          model = m.ptr();
+        } else {
+          auto m = engine.init<zeal::models::BertForSequenceClassification>(
+              zeal::models::BertConfig::from_file(o.model_dir + "/config.json"), o.num_labels);
+          zeal::load_pretrained(m, o.model_dir, lo);
           lc.target_modules = {"query", "value"};
           lc.modules_to_save = {"classifier"};
           lc.task_type = "SEQ_CLS";
+          loss = [m](const at::Tensor& x, const at::Tensor& y) mutable {
+            return torch::nn::functional::cross_entropy(m->forward(x, at::ones_like(x)), y);
+          };
+          model = m.ptr();
+        }
+        std::vector<at::Tensor> trainable;
+        zeal::peft::PeftModel peft;
+        if (lora) {
           peft = zeal::peft::get_peft_model(model, lc);
           trainable = peft.trainable_parameters();
         } else {
@@ -158,12 +181,13 @@ Run run_zeal(const Options& o, int stage, bool lora, bool big_threshold, const a
         torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
         auto [m, po] = engine.prepare(model, opt);
         m->train();
+        (void)m;
         std::vector<double> out;
         const int64_t rank = engine.process_index();
         for (int step = 0; step <= o.steps; ++step) {
           const at::Tensor x = ids[step][rank], y = labels[step][rank];
           const auto t0 = std::chrono::steady_clock::now();
-          engine.backward(torch::nn::functional::cross_entropy(m->forward(x, at::ones_like(x)), y));
+          engine.backward(loss(x, y));
           po.step();
           po.zero_grad();
           out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -191,10 +215,10 @@ Run run_zeal(const Options& o, int stage, bool lora, bool big_threshold, const a
 Run run_peer(const Options& o, bool lora, const std::string& ids_path, const std::string& labels_path) {
   Run row;
   const std::string cmd = fmt::format(
-      "OMP_NUM_THREADS={} '{}' '{}/lora_peer.py' --mode {} --model_dir '{}' --ids '{}' --labels '{}' --world {} "
+      "OMP_NUM_THREADS={} '{}' '{}/lora_peer.py' --model {} --mode {} --model_dir '{}' --ids '{}' --labels '{}' --world {} "
       "--threads {} --steps {} --micro_batch {} --seq_len {} --num_labels {} --r {} --lora_alpha {} --lora_dropout {} "
       "2>/dev/null",
-      o.threads, o.python, ZEAL_BENCH_DIR, lora ? "lora" : "full", o.model_dir, ids_path, labels_path, o.world, o.threads,
+      o.threads, o.python, ZEAL_BENCH_DIR, o.model, lora ? "lora" : "full", o.model_dir, ids_path, labels_path, o.world, o.threads,
       o.steps, o.micro_batch, o.seq_len, o.num_labels, o.r, o.lora_alpha, o.lora_dropout);
   const json r = zeal_bench::run_peer_json(cmd, o.python);
   if (r.contains("error")) {
@@ -220,8 +244,11 @@ int main(int argc, char** argv) {
   o.python = std::getenv("ZEAL_PEERS_PYTHON") ? std::getenv("ZEAL_PEERS_PYTHON")
                                                 : std::string(home ? home : "") + "/.cache/zeal/peers/bin/python";
   std::string stages = "0,3";
-  CLI::App app{"lora_bench: MiniLM LoRA and full fine-tuning, zeal stages against transformers + peft"};
-  app.add_option("--model_dir", o.model_dir, "all-MiniLM-L6-v2 in Hugging Face's layout (scripts/setup installs it)")->capture_default_str();
+  CLI::App app{"lora_bench: LoRA and full fine-tuning, zeal stages against transformers + peft"};
+  app.add_option("--model", o.model, "minilm (all-MiniLM-L6-v2 classifying) or llama (a LLaMA-shaped decoder)")
+      ->check(CLI::IsMember({"minilm", "llama"}))->capture_default_str();
+  app.add_option("--model_dir", o.model_dir, "--model minilm: all-MiniLM-L6-v2 in Hugging Face's layout (scripts/setup installs it)")->capture_default_str();
+  app.add_option("--llama_config", o.llama_config, "--model llama: a transformers LlamaForCausalLM config.json (default: 8 layers, hidden 512, 8 heads, 2 key-value heads, vocabulary 16,000)")->check(CLI::ExistingFile);
   app.add_option("--world", o.world, "ranks")->check(CLI::Range(1, 64))->capture_default_str();
   app.add_option("--threads", o.threads, "torch threads per rank, zeal and peer alike")->check(CLI::Range(1, 256))->capture_default_str();
   app.add_option("--steps", o.steps, "timed steps per run (after one warm-up step)")->check(CLI::Range(1, 1000))->capture_default_str();
@@ -242,7 +269,7 @@ int main(int argc, char** argv) {
       if (v < 0 || v > 3) throw CLI::ValidationError("--stages", "a ZeRO stage is 0, 1, 2 or 3, not " + s);
       o.stages.push_back(v);
     }
-    if (!fs::exists(o.model_dir + "/model.safetensors") || !fs::exists(o.model_dir + "/config.json")) {
+    if (o.model == "minilm" && (!fs::exists(o.model_dir + "/model.safetensors") || !fs::exists(o.model_dir + "/config.json"))) {
       throw CLI::ValidationError("--model_dir", o.model_dir + " has no model.safetensors and config.json (scripts/setup installs all-MiniLM-L6-v2)");
     }
   } catch (const CLI::ParseError& e) {
@@ -251,27 +278,60 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "lora_bench: --stages: %s\n", e.what());
     return 2;
   }
-  const auto cfg = zeal::models::BertConfig::from_file(o.model_dir + "/config.json");
-  // The data, for zeal and the peer alike: [CLS] random word pieces [SEP], every token real.
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
-  at::Tensor ids = at::randint(1000, cfg.vocab_size, {o.steps + 1, o.world, o.micro_batch, o.seq_len}, gen);
-  ids.select(3, 0).fill_(101);
-  ids.select(3, o.seq_len - 1).fill_(102);
-  const at::Tensor labels = at::randint(0, o.num_labels, {o.steps + 1, o.world, o.micro_batch}, gen);
   char dir_template[] = "/tmp/lora_bench.XXXXXX";
   const std::string dir = mkdtemp(dir_template);
+  int64_t vocab = 0, psi = 0;
+  std::string what;
+  if (o.model == "llama") {
+    // The peer's transformers initializes the decoder and saves it; both sides load those files.
+    json shape = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"vocab_size", 16000},
+                  {"hidden_size", 512}, {"intermediate_size", 1376}, {"num_hidden_layers", 8},
+                  {"num_attention_heads", 8}, {"num_key_value_heads", 2}, {"max_position_embeddings", 2048},
+                  {"rms_norm_eps", 1e-6}, {"rope_theta", 10000.0}, {"tie_word_embeddings", false}, {"hidden_act", "silu"}};
+    if (!o.llama_config.empty()) shape = json::parse(std::ifstream(o.llama_config));
+    o.model_dir = dir + "/llama";
+    std::ofstream(dir + "/shape.json") << shape.dump(2);
+    const json made = zeal_bench::run_peer_json(fmt::format("'{}' '{}/lora_peer.py' --make_llama '{}' --llama_config '{}' 2>&1",
+                                                            o.python, ZEAL_BENCH_DIR, o.model_dir, dir + "/shape.json"),
+                                                o.python);
+    if (!made.value("ok", false)) {
+      std::fprintf(stderr, "lora_bench: --model llama needs the peers' Python to write the model: %s\n",
+                   made.value("why", made.value("error", std::string("no reason given"))).c_str());
+      fs::remove_all(dir);
+      return 1;
+    }
+    const auto cfg = zeal::models::LlamaConfig::from_file(o.model_dir + "/config.json");
+    vocab = cfg.vocab_size;
+    psi = cfg.num_parameters();
+    what = fmt::format("a LLaMA-shaped decoder ({} layers, hidden {}, {} heads, {} key-value heads, vocabulary {}: {:.2f} M "
+                       "parameters), the causal-LM loss on every token, LoRA r {} alpha {} dropout {:.2f} on q_proj and v_proj",
+                       cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size,
+                       psi / 1e6, o.r, o.lora_alpha, o.lora_dropout);
+  } else {
+    const auto cfg = zeal::models::BertConfig::from_file(o.model_dir + "/config.json");
+    vocab = cfg.vocab_size;
+    psi = cfg.num_parameters() + (cfg.hidden_size + 1) * o.num_labels;
+    what = fmt::format("all-MiniLM-L6-v2 + a {}-way head ({:.2f} M parameters) from {}, LoRA r {} alpha {} dropout {:.2f} on "
+                       "query and value",
+                       o.num_labels, psi / 1e6, o.model_dir, o.r, o.lora_alpha, o.lora_dropout);
+  }
+  // The data, for zeal and the peer alike: random tokens (BERT's: [CLS] word pieces [SEP]), every token real.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
+  at::Tensor ids = at::randint(o.model == "llama" ? 0 : 1000, vocab, {o.steps + 1, o.world, o.micro_batch, o.seq_len}, gen);
+  if (o.model == "minilm") {
+    ids.select(3, 0).fill_(101);
+    ids.select(3, o.seq_len - 1).fill_(102);
+  }
+  const at::Tensor labels = at::randint(0, o.num_labels, {o.steps + 1, o.world, o.micro_batch}, gen);
   const std::string ids_path = dir + "/ids.bin", labels_path = dir + "/labels.bin";
   std::ofstream(ids_path, std::ios::binary).write(static_cast<const char*>(ids.data_ptr()), static_cast<std::streamsize>(ids.nbytes()));
   std::ofstream(labels_path, std::ios::binary)
       .write(static_cast<const char*>(labels.data_ptr()), static_cast<std::streamsize>(labels.nbytes()));
 
-  const int64_t psi = cfg.num_parameters() + (cfg.hidden_size + 1) * o.num_labels;
-  std::printf("lora_bench: all-MiniLM-L6-v2 + a %lld-way head (%.2f M parameters) from %s, %d ranks x %d threads (%u cores), "
-              "%lld x %lld tokens per rank, fp32, AdamW, LoRA r %lld alpha %lld dropout %.2f on query and value, %d timed "
-              "steps, %d rounds in rotated order\n",
-              (long long)o.num_labels, psi / 1e6, o.model_dir.c_str(), o.world, o.threads, std::thread::hardware_concurrency(),
-              (long long)o.micro_batch, (long long)o.seq_len, (long long)o.r, (long long)o.lora_alpha, o.lora_dropout, o.steps,
-              o.rounds);
+  std::printf("lora_bench: %s, %d ranks x %d threads (%u cores), %lld x %lld tokens per rank, fp32, AdamW, %d timed steps, "
+              "%d rounds in rotated order\n",
+              what.c_str(), o.world, o.threads, std::thread::hardware_concurrency(), (long long)o.micro_batch,
+              (long long)o.seq_len, o.steps, o.rounds);
   std::fflush(stdout);
   zeal_bench::Environment env;
   env.begin();
@@ -333,11 +393,13 @@ int main(int argc, char** argv) {
                         {"peak_total_bytes", r.ok && !r.peak_total_bytes.empty() ? json(r.peak_total_bytes.median())
                                                                                 : json(nullptr)}});
   }
-  json result = {{"model", "all-MiniLM-L6-v2"}, {"parameters", psi}, {"num_labels", o.num_labels}, {"world", o.world},
+  json result = {{"model", o.model == "llama" ? "llama" : "all-MiniLM-L6-v2"}, {"parameters", psi},
+                 {"num_labels", o.model == "llama" ? json(nullptr) : json(o.num_labels)}, {"world", o.world},
                  {"threads_per_rank", o.threads}, {"cores", std::thread::hardware_concurrency()},
                  {"micro_batch", o.micro_batch}, {"seq_len", o.seq_len}, {"steps", o.steps}, {"rounds", o.rounds},
                  {"lora", {{"r", o.r}, {"lora_alpha", o.lora_alpha}, {"lora_dropout", o.lora_dropout},
-                           {"target_modules", {"query", "value"}}, {"modules_to_save", {"classifier"}}}},
+                           {"target_modules", o.model == "llama" ? json{"q_proj", "v_proj"} : json{"query", "value"}},
+                           {"modules_to_save", o.model == "llama" ? json::array() : json{"classifier"}}}},
                  {"precision", "fp32"}, {"rows", out_rows}};
   auto find = [&](int stage, bool lora, bool big_threshold = false) -> const Row* {
     for (const auto& r : rows)

@@ -1,8 +1,12 @@
 """The Python side of lora_bench: all-MiniLM-L6-v2 as Hugging Face transformers'
-BertForSequenceClassification (its default attention, SDPA, as zeal's BERT), fine-tuned on CPU ranks
-over gloo with DistributedDataParallel, fp32, AdamW: with peft's LoRA (--mode lora: query and value,
-the classifier in modules_to_save) or every parameter trained (--mode full), on the token ids and
-labels lora_bench wrote.
+BertForSequenceClassification (--model minilm), or a LLaMA-shaped LlamaForCausalLM (--model llama,
+the causal-LM loss on every token), each with its default attention (SDPA, as zeal's), fine-tuned on
+CPU ranks over gloo with DistributedDataParallel, fp32, AdamW: with peft's LoRA (--mode lora: query
+and value projections; BERT's classifier in modules_to_save) or every parameter trained (--mode
+full), on the token ids and labels lora_bench wrote.
+
+--make_llama DIR --llama_config FILE writes the decoder first: LlamaForCausalLM(LlamaConfig(FILE))
+initialized with seed 0 and saved with save_pretrained (safetensors), for both sides to load.
 
 Each rank measures what lora_bench measures for zeal: the peak resident memory (VmHWM, reset
 through /proc/self/clear_refs after the imports) above the resident memory before the model is
@@ -32,11 +36,15 @@ def rank_main(rank, args, out_dir):
         peer_ranks.reset_peak()
         base = rss("VmRSS")
         torch.manual_seed(1234)
-        model = transformers.BertForSequenceClassification.from_pretrained(args.model_dir, num_labels=args.num_labels)
+        llama = args.model == "llama"
+        if llama:
+            model = transformers.LlamaForCausalLM.from_pretrained(args.model_dir, torch_dtype=torch.float32)
+            lora = dict(target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        else:
+            model = transformers.BertForSequenceClassification.from_pretrained(args.model_dir, num_labels=args.num_labels)
+            lora = dict(target_modules=["query", "value"], modules_to_save=["classifier"], task_type="SEQ_CLS")
         if args.mode == "lora":
-            cfg = peft.LoraConfig(r=args.r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                  target_modules=["query", "value"], modules_to_save=["classifier"],
-                                  task_type="SEQ_CLS")
+            cfg = peft.LoraConfig(r=args.r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, **lora)
             model = peft.get_peft_model(model, cfg)
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -47,8 +55,11 @@ def rank_main(rank, args, out_dir):
         for step in range(args.steps + 1):
             x, y = ids[step, rank], labels[step, rank]
             t0 = time.perf_counter()
-            logits = ddp(input_ids=x, attention_mask=torch.ones_like(x)).logits
-            loss = F.cross_entropy(logits, y)
+            if llama:
+                loss = ddp(input_ids=x, attention_mask=torch.ones_like(x), labels=x).loss
+            else:
+                logits = ddp(input_ids=x, attention_mask=torch.ones_like(x)).logits
+                loss = F.cross_entropy(logits, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -60,17 +71,34 @@ def rank_main(rank, args, out_dir):
     peer_ranks.finish(out_dir, rank, result)
 
 
+def make_llama(out_dir, config_path):
+    try:
+        import torch, transformers
+        with open(config_path) as f:
+            cfg = transformers.LlamaConfig(**json.load(f))
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(out_dir, safe_serialization=True)
+        print(json.dumps({"ok": True}))
+    except Exception as e:
+        print(json.dumps({"ok": False, "why": f"{type(e).__name__}: {e}"}))
+
+
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--make_llama")
+    p.add_argument("--llama_config")
+    p.add_argument("--model", choices=["minilm", "llama"], default="minilm")
     p.add_argument("--mode", choices=["lora", "full"], default="lora")
-    p.add_argument("--model_dir", required=True)
-    p.add_argument("--ids", required=True)
-    p.add_argument("--labels", required=True)
+    p.add_argument("--model_dir")
+    p.add_argument("--ids")
+    p.add_argument("--labels")
     for name, default in [("world", 2), ("threads", 1), ("steps", 5), ("micro_batch", 8), ("seq_len", 128),
                           ("num_labels", 5), ("r", 8), ("lora_alpha", 16), ("port", 29621)]:
         p.add_argument("--" + name, type=int, default=default)
     p.add_argument("--lora_dropout", type=float, default=0.1)
     args = p.parse_args()
+    if args.make_llama:
+        return make_llama(args.make_llama, args.llama_config)
     try:
         import torch  # noqa: F401
         import transformers, peft  # noqa: F401 (fail here, with the reason, when they are missing)
