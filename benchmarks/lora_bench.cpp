@@ -18,10 +18,11 @@
 // model is loaded, the most over ranks. The peer measures the same way. Configurations run once per
 // round in an order rotated each round (rounds.h); ratios are taken round by round.
 //
-// zeal's engine has glibc's malloc map every block of a MiB and up and unmap it when freed (the
-// resident set then follows what is live); the price is page faults on every large temporary of
-// every step. One more row, zeal stage 0 LoRA as a user who sets MALLOC_MMAP_THRESHOLD_=33554432
-// runs it (the engine leaves a threshold the user chose alone), shows both sides of that choice.
+// zeal's engine has glibc's malloc map every block of 128 KiB and up and unmap it when freed (the
+// resident set then follows what is live), and keeps LibTorch's freed large blocks in its host cache
+// (engine/host_cache.h) so that each step does not fault its temporaries in afresh. Two more rows of
+// zeal stage 0 LoRA show the alternatives: the cache off (ZEAL_HOST_CACHE=off), and a user who sets
+// MALLOC_MMAP_THRESHOLD_=33554432 (the engine then leaves glibc and LibTorch's allocator alone).
 //
 // What frozen weights cost is read off the measurements: full fine-tuning's peak minus LoRA's at
 // the same stage, against the gradients and Adam states (12 bytes a parameter; divided by the
@@ -96,7 +97,7 @@ struct Row {
   std::string name;
   int stage = -1;  // zeal's rows; -1 for the peer
   bool lora = true;
-  bool big_threshold = false;  // MALLOC_MMAP_THRESHOLD_=32 MiB
+  int variant = 0;  // kCacheOff, kBigThreshold: how the process allocates
   bool ok = true;
   std::string why;
   int64_t trainable = 0;
@@ -114,16 +115,24 @@ struct Row {
   }
 };
 
-constexpr int kBigThreshold = 32 << 20;
+constexpr int kThresholdBytes = 32 << 20;
 
-std::string row_name(int stage, bool lora, bool big_threshold = false) {
-  const std::string what = std::string(lora ? "LoRA" : "full fine-tune") + (big_threshold ? ", MALLOC_MMAP_THRESHOLD_=32 MiB" : "");
+// The allocation variants of zeal's stage-0 LoRA row: the engine's host cache (default), without it
+// (ZEAL_HOST_CACHE=off: glibc maps every large block afresh), and a user's glibc threshold (the
+// cache then stays out of the way).
+constexpr int kCacheOff = 1, kBigThreshold = 2;
+
+std::string row_name(int stage, bool lora, int variant = 0) {
+  const std::string what = std::string(lora ? "LoRA" : "full fine-tune") +
+                           (variant == kBigThreshold ? ", MALLOC_MMAP_THRESHOLD_=32 MiB"
+                            : variant == kCacheOff   ? ", host cache off"
+                                                     : "");
   return stage < 0 ? (lora ? "transformers + peft, DDP, LoRA" : "transformers, DDP, full fine-tune")
                    : fmt::format("zeal stage {}, {}", stage, what);
 }
 
 // One zeal configuration on `world` ranks; each rank writes its times, peak and trainable count.
-Run run_zeal(const Options& o, int stage, bool lora, bool big_threshold, const at::Tensor& ids, const at::Tensor& labels,
+Run run_zeal(const Options& o, int stage, bool lora, int variant, const at::Tensor& ids, const at::Tensor& labels,
              const std::string& dir) {
   Run row;
   zeal::SpawnOptions so;
@@ -131,10 +140,11 @@ Run run_zeal(const Options& o, int stage, bool lora, bool big_threshold, const a
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
         at::set_num_threads(o.threads);
-        if (big_threshold) {  // what glibc does with the variable at start-up; the engine then leaves it
-          setenv("MALLOC_MMAP_THRESHOLD_", std::to_string(kBigThreshold).c_str(), 1);
-          mallopt(M_MMAP_THRESHOLD, kBigThreshold);
+        if (variant == kBigThreshold) {  // what glibc does with the variable at start-up; the engine then leaves it
+          setenv("MALLOC_MMAP_THRESHOLD_", std::to_string(kThresholdBytes).c_str(), 1);
+          mallopt(M_MMAP_THRESHOLD, kThresholdBytes);
         }
+        if (variant == kCacheOff) setenv("ZEAL_HOST_CACHE", "off", 1);
         zeal::Config c = zeal::Config::defaults(false);
         c.zero.stage = stage;
         c.zero.zero3_init_flag = stage == 3;
@@ -337,28 +347,31 @@ int main(int argc, char** argv) {
   env.begin();
   struct Config {
     int stage;
-    bool lora, big_threshold;
+    bool lora;
+    int variant;
     std::function<Run()> run;
   };
   std::vector<Config> configs;
   for (int stage : o.stages) {
     for (bool lora : {true, false}) {
-      configs.push_back({stage, lora, false, [&, stage, lora] { return run_zeal(o, stage, lora, false, ids, labels, dir); }});
+      configs.push_back({stage, lora, 0, [&, stage, lora] { return run_zeal(o, stage, lora, 0, ids, labels, dir); }});
     }
   }
   const int first = o.stages.front();
-  configs.push_back({first, true, true, [&] { return run_zeal(o, first, true, true, ids, labels, dir); }});
+  for (int variant : {kCacheOff, kBigThreshold}) {
+    configs.push_back({first, true, variant, [&, variant] { return run_zeal(o, first, true, variant, ids, labels, dir); }});
+  }
   if (o.peers) {
     for (bool lora : {true, false}) {
-      configs.push_back({-1, lora, false, [&, lora] { return run_peer(o, lora, ids_path, labels_path); }});
+      configs.push_back({-1, lora, 0, [&, lora] { return run_peer(o, lora, ids_path, labels_path); }});
     }
   }
   std::vector<Row> rows(configs.size());
   for (size_t i = 0; i < configs.size(); ++i) {
-    rows[i].name = row_name(configs[i].stage, configs[i].lora, configs[i].big_threshold);
+    rows[i].name = row_name(configs[i].stage, configs[i].lora, configs[i].variant);
     rows[i].stage = configs[i].stage;
     rows[i].lora = configs[i].lora;
-    rows[i].big_threshold = configs[i].big_threshold;
+    rows[i].variant = configs[i].variant;
   }
   for (int r = 0; r < o.rounds; ++r) {
     for (size_t k = 0; k < configs.size(); ++k) {
@@ -401,9 +414,9 @@ int main(int argc, char** argv) {
                            {"target_modules", o.model == "llama" ? json{"q_proj", "v_proj"} : json{"query", "value"}},
                            {"modules_to_save", o.model == "llama" ? json::array() : json{"classifier"}}}},
                  {"precision", "fp32"}, {"rows", out_rows}};
-  auto find = [&](int stage, bool lora, bool big_threshold = false) -> const Row* {
+  auto find = [&](int stage, bool lora, int variant = 0) -> const Row* {
     for (const auto& r : rows)
-      if (r.ok && r.stage == stage && r.lora == lora && r.big_threshold == big_threshold) return &r;
+      if (r.ok && r.stage == stage && r.lora == lora && r.variant == variant) return &r;
     return nullptr;
   };
   std::printf("\nRatios, median over rounds (min–max of the per-round ratios):\n");
@@ -422,8 +435,13 @@ int main(int argc, char** argv) {
     pair(fmt::format("stage{}_lora_vs_full", stage), fmt::format("zeal stage {} LoRA / zeal stage {} full", stage, stage),
          find(stage, true), find(stage, false));
   }
+  pair(fmt::format("stage{}_lora_cache_off_vs_peft", first),
+       fmt::format("zeal stage {} LoRA, host cache off / transformers + peft LoRA", first), find(first, true, kCacheOff),
+       find(-1, true));
+  pair(fmt::format("stage{}_lora_cache_on_vs_off", first),
+       fmt::format("zeal stage {} LoRA, host cache on / off", first), find(first, true), find(first, true, kCacheOff));
   pair(fmt::format("stage{}_lora_32mib_threshold_vs_peft", first),
-       fmt::format("zeal stage {} LoRA, MALLOC_MMAP_THRESHOLD_=32 MiB / transformers + peft LoRA", first), find(first, true, true),
+       fmt::format("zeal stage {} LoRA, MALLOC_MMAP_THRESHOLD_=32 MiB / transformers + peft LoRA", first), find(first, true, kBigThreshold),
        find(-1, true));
   pair("peft_lora_vs_full", "peft LoRA / transformers full", find(-1, true), find(-1, false));
 
@@ -435,7 +453,7 @@ int main(int argc, char** argv) {
               o.world > 1 ? " (÷ ranks at stage 3)" : "");
   json frozen = json::object();
   for (const auto& r : rows) {
-    if (!r.ok || !r.lora || r.big_threshold) continue;
+    if (!r.ok || !r.lora || r.variant != 0) continue;
     const Row* full = find(r.stage, false);
     if (!full) continue;
     const double diff = full->peak_bytes.median() - r.peak_bytes.median();

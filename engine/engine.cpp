@@ -34,6 +34,7 @@
 #include "engine/optim/optimizer.h"
 #include "engine/runtime/device_choice.h"
 #include "engine/runtime/runtime.h"
+#include "engine/host_cache.h"
 #include "engine/zero/host_memory.h"
 #include "engine/memory_tracker.h"
 #include "engine/zero/init.h"
@@ -147,6 +148,7 @@ Engine::~Engine() {
   }
   if (state_ && state_->module) remember_prepared(state_->module.get(), nullptr);
   if (state_ && state_->init_module) remember_prepared(state_->init_module, nullptr);
+  host_cache_trim();
 }
 
 void Engine::init() {
@@ -159,6 +161,7 @@ void Engine::init() {
   }
 
   zero::keep_large_allocations_mapped();
+  install_host_cache();  // LibTorch's large CPU blocks reused (engine/host_cache.h)
 
   // The world comes from the runtime; "auto" sizes that depend on the model's hidden size take
   // DeepSpeed's defaults here (the engine does not know the hidden size).
@@ -1141,6 +1144,9 @@ MemoryReport Engine::memory() const {
     for (auto& b : state_->module->buffers(true)) m.buffers += b.nbytes();
   }
   if (runtime_) m.comm_buffers = runtime_->comm().buffer_bytes();
+  const HostCacheStats hc = host_cache_stats();
+  m.host_cache = hc.cached_bytes;
+  m.host_cache_peak = hc.peak_cached_bytes;
   return m;
 }
 

@@ -22,6 +22,7 @@ std::string MemoryReport::summary() const {
                               format_bytes(buffers), format_bytes(workspace));
   if (offload_host > 0) s += fmt::format("; offloaded to host memory {}", format_bytes(offload_host));
   if (offload_disk > 0) s += fmt::format(", to disk {}", format_bytes(offload_disk));
+  if (host_cache > 0) s += fmt::format("; host allocator cache {}", format_bytes(host_cache));
   return s;
 }
 

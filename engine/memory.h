@@ -16,6 +16,9 @@ struct MemoryReport {
   int64_t buffers = 0;           // the model's buffers
   int64_t workspace = 0;         // step scratch and gradient staging (peak); stage 3: gathered units too
   int64_t comm_buffers = 0;      // host memory the communicator keeps between collectives (Gloo's ring scratch)
+  // Freed large CPU blocks the host allocator keeps for reuse (engine/host_cache.h), now and at most.
+  // None of it is part of a peak: the resident set grows only while the cache is empty.
+  int64_t host_cache = 0, host_cache_peak = 0;
   // Stage 3: bytes of unit parameters gathered now (persistent units included), the most since
   // the last engine.reset_peak_memory(), and the bound the fetch coordinator keeps to:
   // stage3_max_live_parameters + the largest unit + the persistent units.

@@ -1,5 +1,7 @@
 #include "engine/memory_tracker.h"
 
+#include "engine/host_cache.h"
+
 #include <ATen/DeviceAccelerator.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -67,6 +69,7 @@ void reset_resident_peak() { reset_cpu_peak(); }
 }  // namespace detail
 
 MemoryTracker::MemoryTracker(Engine& engine, std::string phase) : engine_(engine) {
+  host_cache_trim();  // a phase's lines count what tensors hold, not blocks kept for reuse
   record_.phase = std::move(phase);
   record_.rank = engine.process_index();
   const at::Device d = engine.device();
@@ -125,6 +128,7 @@ PhaseMemory MemoryTracker::now() const {
 
 const PhaseMemory& MemoryTracker::end(bool print) {
   if (ended_) return record_;
+  host_cache_trim();
   record_ = now();
   ended_ = true;
   {
@@ -140,6 +144,11 @@ const PhaseMemory& MemoryTracker::end(bool print) {
     }
     engine_.print(fmt::format("zeal: {} peak resident set {} = {}", record_.phase,
                               format_bytes(static_cast<double>(record_.cpu.peak)), parts));
+    if (record_.engine.host_cache_peak > 0) {
+      engine_.print(fmt::format("zeal: host allocator cache: {} now, at most {} (reused blocks, none of them in the peak)",
+                                format_bytes(static_cast<double>(record_.engine.host_cache)),
+                                format_bytes(static_cast<double>(record_.engine.host_cache_peak))));
+    }
   }
   return record_;
 }
@@ -200,6 +209,8 @@ std::string PhaseMemory::json() const {
   for (const auto& p : breakdown()) parts[p.name] = p.bytes;
   j["cpu_peak_breakdown"] = parts;
   if (engine.offload_disk > 0) j["bytes_on_disk"] = engine.offload_disk;
+  j["host_cache_bytes"] = engine.host_cache;
+  j["host_cache_peak_bytes"] = engine.host_cache_peak;
   return j.dump();
 }
 

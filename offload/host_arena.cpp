@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "engine/error.h"
+#include "engine/host_cache.h"
 
 #ifdef ZEAL_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -54,6 +55,7 @@ HostArena::~HostArena() {
 
 void* HostArena::allocate(size_t bytes) {
   if (bytes == 0) bytes = 1;
+  host_cache_make_room(bytes);  // the offloaded state does not grow the resident set beside cached blocks
   void* p = nullptr;
   if (bind_) {
     // Memory of the node(s) this process's CPUs belong to (mmap + mbind: zero-filled pages).

@@ -38,6 +38,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/checkpoint/commit.h"
+#include "engine/host_cache.h"
 #include "engine/checkpoint/consolidate.h"
 #include "engine/checkpoint/fault_hooks.h"
 #include "engine/checkpoint/hf_weights.h"
@@ -95,6 +96,7 @@ void Engine::finish_background_save() noexcept {
 
 std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& options) {
   if (!state_->zero) throw Error("save_state: prepare a model and its optimizer first");
+  host_cache_trim();  // a phase ends: the steps' cached blocks go back before the staging comes
   if (state_->grads_pending || backward_pending_) {
     throw Error("save_state: called in the middle of an accumulation (gradients of micro-steps not yet stepped "
                 "would be lost); save after opt.step()");
@@ -325,6 +327,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
 void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& options) {
   if (!state_->zero) throw Error("load_state: prepare a model and its optimizer first");
   wait_for_save();
+  host_cache_trim();  // a phase ends: the steps' cached blocks go back before the state comes in
   fs::path dir = dir_arg.empty() ? fs::path("checkpoints") : fs::path(dir_arg);
   if (!fs::exists(dir / "manifest.json") && fs::exists(dir / "latest")) {
     std::ifstream f(dir / "latest");

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "engine/error.h"
+#include "engine/host_cache.h"
 
 namespace zeal::zero {
 namespace {
@@ -37,7 +38,13 @@ struct Mapping {
   }
 };
 
-c10::DataPtr map_bytes(size_t bytes, at::Device device) {
+// With the host cache installed its blocks, reused; a buffer that must start zeroed (or be a whole
+// page-aligned mapping, small ones included) is a fresh mapping after the cache made room for it.
+c10::DataPtr map_bytes(size_t bytes, at::Device device, bool zeroed = false) {
+  if (c10::Allocator* cache = host_cache_allocator(); cache && !zeroed && device.is_cpu()) {
+    return cache->allocate(bytes);
+  }
+  host_cache_make_room(bytes);
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw Error(fmt::format("cannot map {} bytes of host memory (a gathered unit, gradient staging or a shard read from disk)", bytes));
   return {p, new Mapping{p, bytes}, &Mapping::unmap, device};
@@ -60,7 +67,8 @@ void alloc_storage_mapped(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
   if (s->nbytes() == bytes) return;
-  s->set_data_ptr_noswap(map_bytes(std::max<size_t>(bytes, 1), t.device()));
+  // A fresh mapping: page-aligned, and the tail past the tensor's bytes zero (written to disk as it is).
+  s->set_data_ptr_noswap(map_bytes(std::max<size_t>(bytes, 1), t.device(), /*zeroed=*/true));
   s->set_nbytes(bytes);
 }
 
@@ -84,7 +92,7 @@ at::Tensor storage_slice(const at::Tensor& t, int64_t offset, int64_t count) {
 at::Tensor staging_zeros(int64_t n, const at::TensorOptions& o) {
   const size_t bytes = static_cast<size_t>(n) * o.dtype().itemsize();
   if (!o.device().is_cpu() || bytes < kMapBytes) return at::zeros({n}, o);
-  c10::Storage st(c10::Storage::use_byte_size_t(), bytes, map_bytes(bytes, o.device()), nullptr, false);
+  c10::Storage st(c10::Storage::use_byte_size_t(), bytes, map_bytes(bytes, o.device(), /*zeroed=*/true), nullptr, false);
   return at::empty({0}, o).set_(st, 0, {n}, {1});
 }
 
