@@ -3,6 +3,12 @@
 // the target's logit picked from its slice. Backward: vocabulary slices outside, token chunks inside,
 // so that each slice's weight gradient is summed over every token in fp32 and rounded once; each block
 // of logits is computed again and turned into softmax − one-hot, scaled by the loss's gradient.
+//
+// A frozen head (LoRA's: only the hidden states want a gradient) in fp32 or fp64 takes a shorter way:
+// the forward also sums exp(logits − running max) · weight per token, rescaled whenever the running
+// max moves (flash attention's online softmax), which gives softmax · weight − weight[target] once the
+// vocabulary is done. The backward then only scales those rows by each token's share of the loss's
+// gradient: two products per block in all instead of three (the logits are not computed again).
 #include "engine/chunked_loss.h"
 
 #include <ATen/ATen.h>
@@ -72,26 +78,43 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
     const at::Tensor h32 = p.widen ? h.to(at::kFloat) : at::Tensor();
     const auto f32 = hidden.options().dtype(p.acc);
     at::Tensor lse = at::empty({N}, f32), picked = at::zeros({N}, f32);
+    // The frozen head's way (above): d(loss of token t)/d(hidden t), for a unit gradient.
+    const bool eager = hidden.requires_grad() && !weight.requires_grad() && !p.widen && p.compute == p.acc;
+    at::Tensor gh = eager ? at::empty({N, hidden.size(1)}, f32) : at::Tensor();
     for (int64_t i = 0; i < N; i += p.chunk) {
       const int64_t n = std::min(p.chunk, N - i);
       const at::Tensor hc = h.narrow(0, i, n), hc32 = p.widen ? h32.narrow(0, i, n) : at::Tensor();
       const at::Tensor tc = targets.narrow(0, i, n);
       at::Tensor m = at::full({n}, -std::numeric_limits<double>::infinity(), f32), s = at::zeros({n}, f32);
+      at::Tensor acc = eager ? at::zeros({n, hidden.size(1)}, f32) : at::Tensor();
       for (int64_t r = 0; r < V; r += p.slice) {
         const int64_t k = std::min(p.slice, V - r);
-        at::Tensor l = block_logits(hc, hc32, w.narrow(0, r, k), p);
+        const at::Tensor ws = w.narrow(0, r, k);
+        at::Tensor l = block_logits(hc, hc32, ws, p);
         const at::Tensor in = (tc >= r) & (tc < r + k);
         const at::Tensor col = (tc - r).clamp(0, k - 1).unsqueeze(1);
         picked.narrow(0, i, n).add_(at::where(in, l.gather(1, col).squeeze(1), at::zeros({}, f32)));
         const at::Tensor m_new = at::maximum(m, std::get<0>(l.max(1)));
-        s = s * at::exp(m - m_new) + l.sub_(m_new.unsqueeze(1)).exp_().sum(1);  // in place: one block
+        const at::Tensor rescale = at::exp(m - m_new);
+        l.sub_(m_new.unsqueeze(1)).exp_();  // in place: one block
+        s = s * rescale + l.sum(1);
+        if (eager) acc.mul_(rescale.unsqueeze(1)).add_(at::mm(l, ws));
         m = m_new;
       }
       lse.narrow(0, i, n).copy_(m + at::log(s));
+      if (eager) {
+        // softmax · weight − the target's row (an ignored target's row is never used: its share is 0).
+        const at::Tensor rows = w.index_select(0, tc.clamp(0, V - 1));
+        gh.narrow(0, i, n).copy_(acc.div_(s.unsqueeze(1)).sub_(rows));
+      }
     }
     const at::Tensor keep = targets != ignore_index;
     const at::Tensor per_token = at::where(keep, lse - picked, at::zeros({}, f32));
-    ctx->save_for_backward({hidden, weight, targets, lse});
+    // The eager gradient replaces what the backward would recompute from.
+    ctx->save_for_backward(eager ? variable_list{gh, at::Tensor(), targets, at::Tensor()}
+                                 : variable_list{hidden, weight, targets, lse});
+    ctx->saved_data["eager"] = eager;
+    ctx->saved_data["hidden_dtype"] = static_cast<int64_t>(hidden.scalar_type());
     ctx->saved_data["chunk"] = p.chunk;
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["reduction"] = reduction;
@@ -109,9 +132,22 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
     const int64_t reduction = ctx->saved_data["reduction"].toInt();
+    if (ctx->saved_data["eager"].toBool()) {
+      const at::Tensor &gh = saved[0], &targets = saved[2];
+      const int64_t N = gh.size(0);
+      if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      at::Tensor g = grads[0].to(gh.scalar_type());
+      if (reduction == 0) {
+        const double count = ctx->saved_data["count"].toDouble();
+        g = count > 0 ? g / count : at::zeros_like(g);
+      }
+      const at::Tensor scale = (reduction == 2 ? g.reshape({N}) : g.expand({N})) * (targets != ignore_index).to(gh.scalar_type());
+      return {(gh * scale.unsqueeze(1)).to(static_cast<at::ScalarType>(ctx->saved_data["hidden_dtype"].toInt())), at::Tensor(),
+              at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    const at::Tensor &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
     const int64_t N = hidden.size(0), V = weight.size(0), C = hidden.size(1);
     const Plan p = make_plan(N, V, C, ctx->saved_data["chunk"].toInt(),
                              static_cast<at::ScalarType>(ctx->saved_data["compute"].toInt()), hidden.device());

@@ -44,18 +44,20 @@ Problem problem(int64_t B, int64_t T, int64_t C, int64_t V, uint64_t seed) {
 
 struct Result {
   at::Tensor loss, gh, gw;  // float64
+  at::Tensor gh_frozen;     // bound(): the hidden states' gradient with a frozen head
 };
 
 // The loss and gradients of `loss_of(h, w)` with a random upstream gradient for "none".
+// With frozen_head the weight wants no gradient (LoRA's head): gw is then undefined.
 Result evaluate(const Problem& p, at::ScalarType dtype, const std::string& reduction,
-                const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss_of) {
+                const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss_of, bool frozen_head = false) {
   at::Tensor h = p.h.to(dtype).detach().clone().requires_grad_(true);
-  at::Tensor w = p.w.to(dtype).detach().clone().requires_grad_(true);
+  at::Tensor w = p.w.to(dtype).detach().clone().requires_grad_(!frozen_head);
   at::Tensor loss = loss_of(h, w);
   at::Tensor up = reduction == "none" ? at::linspace(0.5, 1.5, loss.numel(), at::kDouble).reshape(loss.sizes())
                                       : at::ones({}, at::kDouble);
   loss.backward(up.to(loss.scalar_type()));
-  return {loss.detach().to(at::kDouble), h.grad().to(at::kDouble), w.grad().to(at::kDouble)};
+  return {loss.detach().to(at::kDouble), h.grad().to(at::kDouble), frozen_head ? at::Tensor() : w.grad().to(at::kDouble)};
 }
 
 at::Tensor plain_loss(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, const std::string& reduction) {
@@ -100,6 +102,10 @@ Result bound(const Problem& p, const std::string& reduction) {
   const at::Tensor dp = prob * (2 * row + gamma(V + 4)).unsqueeze(1);
   const at::Tensor diff = (prob - onehot).abs();
   b.gh = s.unsqueeze(1) * (at::mm(dp, w.abs()) + gamma(V + 2) * at::mm(diff, w.abs()));
+  // A frozen head's gradient is softmax · w − w[target], summed over V with a rescaling per
+  // vocabulary slice: its rounding follows (softmax + one-hot) · |w| rather than |softmax − one-hot| · |w|.
+  b.gh_frozen = (s.unsqueeze(1) * (at::mm(dp, w.abs()) + gamma(2 * V + 4) * at::mm(prob + onehot, w.abs())))
+                    .reshape(p.h.sizes()) + 1e-30;
   b.gw = at::mm((s.unsqueeze(1) * (dp + gamma(N + 2) * diff)).t(), h.abs());
   b.gh = b.gh.reshape(p.h.sizes()) + 1e-30;
   b.gw = b.gw + 1e-30;
@@ -144,9 +150,49 @@ TEST(ChunkedLoss, MatchesFloat64WithinTheSummationBoundForEveryChunkAndReduction
       // Ignored tokens: no loss, no gradient.
       const at::Tensor ignored = (p.t == kIgnore).reshape({-1});
       EXPECT_TRUE((got.gh.reshape({N, -1}).index({ignored}) == 0).all().item<bool>());
+      // A frozen head (the gradient computed in the forward): the same loss, the hidden states' gradient
+      // within its bound.
+      const Result frozen = evaluate(
+          p, at::kFloat, reduction,
+          [&](const at::Tensor& h, const at::Tensor& w) {
+            return zeal::chunked_cross_entropy(h, w, p.t, {.chunk = chunk, .ignore_index = kIgnore, .reduction = reduction});
+          },
+          /*frozen_head=*/true);
+      const double fh = worst(frozen.gh, ref.gh, b.gh_frozen);
+      std::printf("[ metric ] %s, chunk %lld, frozen head: error / bound: loss %.3g, hidden's gradient %.3g\n",
+                  reduction.c_str(), static_cast<long long>(chunk), worst(frozen.loss, ref.loss, b.loss), fh);
+      EXPECT_LE(worst(frozen.loss, ref.loss, b.loss), 1.0);
+      EXPECT_LE(fh, 1.0);
+      EXPECT_TRUE((frozen.gh.reshape({N, -1}).index({ignored}) == 0).all().item<bool>());
       if (reduction == "none") EXPECT_TRUE((got.loss.reshape({-1}).index({ignored}) == 0).all().item<bool>());
     }
   }
+}
+
+// A vocabulary of several slices (more than 4 Mi weights): the frozen head's running sum is rescaled
+// each time a slice raises a token's maximum. Targets in both slices; within the float64-derived bound.
+TEST(ChunkedLoss, AFrozenHeadOverSeveralVocabularySlicesMatchesFloat64) {
+  Problem p = problem(1, 6, 16, 270000, 9);  // 4.32 M weights: two slices of at most 262,144 rows
+  p.t = at::tensor(std::vector<int64_t>{5, 269990, kIgnore, 140000, 262143, 262144}, at::kLong).view({1, 6});
+  // Make the second slice hold some tokens' largest logits, so that their maximum moves there.
+  p.w.narrow(0, 262144, 100).mul_(4);
+  const Result ref = evaluate(p, at::kDouble, "mean", [&](const at::Tensor& h, const at::Tensor& w) {
+    return plain_loss(h, w, p.t, "mean");
+  }, /*frozen_head=*/true);
+  const Result b = bound(p, "mean");
+  const Result got = evaluate(p, at::kFloat, "mean", [&](const at::Tensor& h, const at::Tensor& w) {
+    return zeal::chunked_cross_entropy(h, w, p.t, {.ignore_index = kIgnore});
+  }, /*frozen_head=*/true);
+  const double wh = worst(got.gh, ref.gh, b.gh_frozen);
+  std::printf("[ metric ] two slices, frozen head: error / bound: loss %.3g, hidden's gradient %.3g\n",
+              worst(got.loss, ref.loss, b.loss), wh);
+  EXPECT_LE(worst(got.loss, ref.loss, b.loss), 1.0);
+  EXPECT_LE(wh, 1.0);
+  // The worst-case bound is loose at this vocabulary (sums of 270,000 terms); the error itself must
+  // also be far below the gradient's size: a slice's sum left unrescaled would be off by O(1).
+  const double rel = ((got.gh - ref.gh).abs().max() / ref.gh.abs().max()).item<double>();
+  std::printf("[ metric ] two slices, frozen head: max error / max gradient %.3g\n", rel);
+  EXPECT_LT(rel, 1e-5);
 }
 
 // float64 inputs are computed in float64 throughout: the chunked and plain results agree to the
@@ -162,6 +208,11 @@ TEST(ChunkedLoss, Float64InputsStayInFloat64) {
   EXPECT_LT((got.loss - ref.loss).abs().item<double>(), 1e-12);
   EXPECT_LT((got.gh - ref.gh).abs().max().item<double>(), 1e-12);
   EXPECT_LT((got.gw - ref.gw).abs().max().item<double>(), 1e-12);
+  const Result frozen = evaluate(
+      p, at::kDouble, "mean",
+      [&](const at::Tensor& h, const at::Tensor& w) { return zeal::chunked_cross_entropy(h, w, p.t, {.chunk = 4, .ignore_index = kIgnore}); },
+      /*frozen_head=*/true);
+  EXPECT_LT((frozen.gh - ref.gh).abs().max().item<double>(), 1e-12);
 }
 
 // Every target ignored (a micro-batch that is all prompt or padding): the mean is NaN and the
