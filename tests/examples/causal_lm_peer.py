@@ -5,7 +5,7 @@ LLaMA-3-style byte-level BPE tokenizer.json trained with `tokenizers` on the tas
 template's tokens (<|bos|>, <|pad|>, <|user|>, <|assistant|>, <|system|>, <|end|>) as special tokens;
 OUT/train.jsonl and OUT/eval.jsonl: "reverse: a b c" -> "c b a" over 6 letters; OUT/pretrain.jsonl:
 "copy: a b c" -> "a b c". Also, given
-`check OUT`, loads OUT/out/adapter with peft onto the model and OUT/out/merged with from_pretrained
+`check OUT`, loads OUT/lora/adapter with peft onto its base and OUT/lora/merged with from_pretrained
 (no missing or unexpected keys). Exit 77 without transformers, tokenizers or peft (1 under
 ZEAL_REQUIRE_PEERS=1).
 """
@@ -22,9 +22,10 @@ except Exception as e:  # noqa: BLE001
 
 if sys.argv[1] == "check":
     out = sys.argv[2]
-    base = LlamaForCausalLM.from_pretrained(os.path.join(out, "model"))
-    pm = peft.PeftModel.from_pretrained(base, os.path.join(out, "out", "adapter"))
-    merged, info = LlamaForCausalLM.from_pretrained(os.path.join(out, "out", "merged"), output_loading_info=True)
+    pretrained = os.path.join(out, "pretrained", "merged")
+    base = LlamaForCausalLM.from_pretrained(pretrained if os.path.isdir(pretrained) else os.path.join(out, "model"))
+    pm = peft.PeftModel.from_pretrained(base, os.path.join(out, "lora", "adapter"))
+    merged, info = LlamaForCausalLM.from_pretrained(os.path.join(out, "lora", "merged"), output_loading_info=True)
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     print(f"peft loaded zeal's adapter ({sum(p.numel() for n, p in pm.named_parameters() if 'lora_' in n)} adapter "
           f"parameters); merged: {bad or 'every key'}")

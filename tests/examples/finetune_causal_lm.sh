@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The causal-LM job end to end, as README.md's job section runs it: a small LLaMA and its tokenizer made
-# offline (tests/examples/causal_lm_peer.py), pretrained briefly with zeal (full fine-tuning on
-# "copy: a b c" -> "a b c", merged export), then LoRA instruction-tuned on "reverse" under
-# configs/ds_zero3_cpu.yaml on 2 ranks. The held-out exact match must rise by at least 0.5; every epoch
+# The causal-LM job end to end, as README.md's job section runs it (scripts/causal-lm-demo): a small
+# LLaMA and its tokenizer made offline (tests/examples/causal_lm_peer.py), pretrained briefly with zeal
+# (full fine-tuning on "copy: a b c" -> "a b c", merged export), then LoRA instruction-tuned on
+# "reverse" under configs/ds_zero3_cpu.yaml on 2 ranks. The held-out exact match must rise by at least 0.5; every epoch
 # evaluates, prints PEFT's memory lines and a generation; the adapter loads in Python peft and the merged
 # model with transformers' from_pretrained. Skipped (77) without the peers' Python.
 set -euo pipefail
@@ -14,16 +14,11 @@ python=${ZEAL_PEERS_PYTHON:-$home/.cache/zeal/peers/bin/python}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 rc=0
-"$python" tests/examples/causal_lm_peer.py "$work" >/dev/null 2>&1 || rc=$?
+# The README's one command (scripts/causal-lm-demo), its output checked below.
+scripts/causal-lm-demo "$work" --port 29573 >"$work/demo.out" 2>&1 || rc=$?
 [ "$rc" -eq 77 ] && skip_or_fail "the peers' Python lacks transformers, tokenizers or peft"
-[ "$rc" -eq 0 ] || { echo "FAIL: causal_lm_peer.py exited $rc" >&2; exit 1; }
-common=(--config_file configs/ds_zero3_cpu.yaml --per_device_train_batch_size 8 --lr_scheduler_type constant --save_strategy no)
-"$zeal" launch --num_processes 2 --main_process_port 29573 "$prog" "${common[@]}" --model_dir "$work/model" \
-  --train "$work/pretrain.jsonl" --output_dir "$work/pretrained" --num_train_epochs 30 --learning_rate 3e-3 --full --merged \
-  --logging_steps 1000 >"$work/pretrain.log" 2>&1 || { tail -20 "$work/pretrain.log"; echo "FAIL: the pretraining failed" >&2; exit 1; }
-out=$("$zeal" launch --num_processes 2 --main_process_port 29573 "$prog" "${common[@]}" --model_dir "$work/pretrained/merged" \
-  --train "$work/train.jsonl" --eval "$work/eval.jsonl" --output_dir "$work/out" --num_train_epochs 20 --learning_rate 5e-3 \
-  --target_modules all-linear --lora_r 16 --lora_alpha 32 --logging_steps 1000 --samples 1 --merged 2>&1)
+if [ "$rc" -ne 0 ]; then tail -20 "$work/demo.out"; echo "FAIL: scripts/causal-lm-demo exited $rc" >&2; exit 1; fi
+out=$(cat "$work/lora.log")
 echo "$out" | grep -v "zeal: step=" | tail -25
 before=$(sed -n 's/^\[rank 0\] exact_match before training: \([0-9.]*\)$/\1/p' <<<"$out")
 after=$(printf '%s\n' "$out" | tail -n 1 | sed -n 's/^\[rank 0\] exact_match: \([0-9.]*\)$/\1/p')
