@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "engine/error.h"
+#include "engine/memory_budget.h"
 
 namespace zeal {
 namespace {
@@ -215,7 +216,8 @@ class HostCache final : public c10::Allocator {
 // ZEAL_HOST_CACHE: unset or on (a quarter of the machine's memory), 0/off/false, or bytes (K, M, G).
 std::optional<size_t> configured_limit() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  const size_t quarter = pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) / 4 : size_t{1} << 30;
+  size_t quarter = pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) / 4 : size_t{1} << 30;
+  if (const int64_t cg = cgroup_memory_limit(); cg > 0) quarter = std::min(quarter, static_cast<size_t>(cg) / 4);
   const char* env = std::getenv("ZEAL_HOST_CACHE");
   if (!env || !*env) return quarter;
   std::string v(env);
@@ -230,7 +232,7 @@ std::optional<size_t> configured_limit() {
                        : unit == "m" || unit == "mib" ? size_t{1} << 20
                        : unit == "g" || unit == "gib" ? size_t{1} << 30
                                                       : 0;
-  if (digits == 0 || digits > 15 || scale == 0) {
+  if (digits == 0 || digits > 15 || scale == 0 || std::stoull(v.substr(0, digits)) > (size_t{1} << 50) / scale) {
     throw Error("ZEAL_HOST_CACHE='" + std::string(env) +
                 "': expected on, off, 0, or the most bytes the host allocator may cache (e.g. 2G)");
   }
@@ -257,10 +259,17 @@ bool install_host_cache() {
     if (!limit || user_chose_malloc()) return false;
     c10::Allocator* current = c10::GetCPUAllocator();
     if (current != c10::GetDefaultCPUAllocator()) return false;  // the program chose its own
-    g_cache = new HostCache(current, *limit);
+    auto* cache = new HostCache(current, *limit);
+    // The highest priority: LibTorch ignores a lower one once anything (zeal's memory counter, say)
+    // set its allocator at 255. Only LibTorch's default is ever replaced (checked above).
+    c10::SetCPUAllocator(cache, /*priority=*/255);
+    if (c10::GetCPUAllocator() != cache) {
+      delete cache;
+      return false;
+    }
+    g_cache = cache;
     ::pthread_atfork([] { g_cache->lock_for_fork(); }, [] { g_cache->unlock_after_fork(); },
                      [] { g_cache->unlock_after_fork(); });
-    c10::SetCPUAllocator(g_cache, /*priority=*/0);
     return true;
   }();
   return installed;

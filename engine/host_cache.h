@@ -3,13 +3,17 @@
 // Every CPU tensor of 128 KiB and more is a mapping of its own (glibc's threshold as the engine sets
 // it), so each step's activations and gradients are fresh pages: a page fault and a page cleared for
 // every 4 KiB, every step. The cache keeps freed large blocks by size class (a block's size rounded
-// up by at most 1/8) and hands them out again, already resident. It never makes the resident set
+// up by at most 1/8) and hands them out again, already resident. It does not make the resident set
 // larger than it would be without it: a request takes the smallest cached block that holds it (at most
-// twice its size class; its pages are resident already), and one the cache cannot serve first returns
-// cached blocks to the system, the least recently freed first, as many bytes as it maps (or all of
-// them), so the resident set grows only when the cache is empty, and then to what is live. Cached bytes are also bounded (ZEAL_HOST_CACHE=BYTES, a
-// quarter of the machine's memory by default) and given back at phase ends (engine.save_state and
-// load_state, the engine's end) and when a mapping fails. Small blocks go to LibTorch's allocator.
+// twice its size class; the pages past the request are dropped), and one the cache cannot serve, or a
+// large mapping zeal makes elsewhere (host_cache_make_room), first returns cached blocks to the system,
+// the least recently freed first, as many bytes as it is about to use (or all of them), so the resident
+// set grows only when the cache is empty, and then to what is live. (Memory that passes neither way,
+// such as glibc's heap of small blocks, pinned or communicator buffers, can still grow beside cached
+// blocks.) Cached bytes are also bounded (ZEAL_HOST_CACHE=BYTES; by default a quarter of the machine's
+// memory or of the memory cgroup's limit) and given back at phase ends (a MemoryTracker phase's start
+// and end, engine.save_state and load_state, the engine's end) and when a mapping fails. Small blocks
+// go to LibTorch's allocator.
 //
 // The engine installs it once per process, before the model is built. The user's choices win: it is
 // not installed when ZEAL_HOST_CACHE is 0 or off, when glibc's malloc was tuned (MALLOC_MMAP_THRESHOLD_,
@@ -34,7 +38,7 @@ struct HostCacheStats {
   int64_t in_use_bytes = 0;   // large blocks handed out and not yet freed
   int64_t limit_bytes = 0;    // the bound on cached_bytes
   int64_t hits = 0, misses = 0;  // large requests served from the cache / mapped afresh
-  int64_t released_bytes = 0;    // cached bytes given back to the system (evictions and trims)
+  int64_t released_bytes = 0;    // freed bytes given back to the system (evicted, trimmed, or over the bound)
 };
 
 // Installs the cache as LibTorch's CPU allocator (once per process; later calls return the first

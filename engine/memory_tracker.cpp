@@ -128,8 +128,10 @@ PhaseMemory MemoryTracker::now() const {
 
 const PhaseMemory& MemoryTracker::end(bool print) {
   if (ended_) return record_;
+  const HostCacheStats cache = host_cache_stats();  // what it held at the phase's end, before the trim
   host_cache_trim();
   record_ = now();
+  record_.engine.host_cache = cache.cached_bytes;
   ended_ = true;
   {
     std::lock_guard<std::mutex> lock(open_mu);

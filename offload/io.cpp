@@ -1,5 +1,7 @@
 #include "offload/io.h"
 
+#include "engine/host_cache.h"
+
 #include <liburing.h>
 #include <sys/statvfs.h>
 #include <sys/uio.h>
@@ -254,6 +256,7 @@ std::unique_ptr<IoEngine> make_io_engine(const IoOptions& o, bool force_threads,
 AlignedBuffer::AlignedBuffer(int64_t bytes) {
   size_ = (std::max<int64_t>(bytes, 0) + kIoAlign - 1) / kIoAlign * kIoAlign;
   if (size_ == 0) size_ = kIoAlign;
+  host_cache_make_room(static_cast<size_t>(size_));  // not beside cached blocks
   data_ = static_cast<char*>(std::aligned_alloc(kIoAlign, static_cast<size_t>(size_)));
   if (!data_) throw Error(fmt::format("offload: cannot allocate a {}-byte I/O buffer", size_));
   std::memset(data_, 0, static_cast<size_t>(size_));

@@ -191,7 +191,8 @@ class DataLoader {
       if (current_) return;
       auto& st = *s_;
       const auto t0 = std::chrono::steady_clock::now();
-      Batch batch = st.prefetch ? st.prefetch->take(b_) : build(st, b_);
+      // A batch already handed over (read again after an exception, a second iterator) is built here.
+      Batch batch = st.prefetch && st.prefetch->has(b_) ? st.prefetch->take(b_) : build(st, b_);
       if (st.options.device_placement) batch = place(std::move(batch), st.binding.device);
       current_ = std::move(batch);
       ++st.stats.batches;

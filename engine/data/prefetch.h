@@ -39,8 +39,14 @@ class Prefetcher {
     for (auto& t : threads_) t.join();
   }
 
-  // Batch b (b >= every batch taken before); batches skipped over are dropped. Adds the seconds spent
-  // waiting to *waited.
+  // Whether take(b) can hand batch b over: not taken (or skipped) yet, and in range. Only the thread
+  // that takes asks, so the answer holds until it takes.
+  bool has(int64_t b) {
+    std::lock_guard lock(mu_);
+    return b >= taken_ && b < end_;
+  }
+
+  // Batch b (has(b)); batches skipped over are dropped. Adds the seconds spent waiting to *waited.
   Batch take(int64_t b, double* waited = nullptr) {
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock lock(mu_);

@@ -147,6 +147,28 @@ TEST(LoaderWorkers, AnExceptionIsRethrownAtItsBatchUnchanged) {
   EXPECT_EQ(seen, 3) << "batches 0-2 come before the one holding sample 9";
 }
 
+// A batch read again (a copy of the iterator made before it was read, or a read after an exception)
+// is built again, never waited for.
+TEST(LoaderWorkers, ABatchReadAgainIsBuiltAgain) {
+  zeal::DataLoader loader(Numbers{.n = 12, .throw_at = 5}, {.batch_size = 2, .num_workers = 2});
+  auto a = loader.begin();
+  auto copy = a;
+  const at::Tensor first = (*a).target;
+  EXPECT_TRUE(at::equal((*copy).target, first));
+  ++a;
+  ++a;  // batch 2 holds sample 5
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    try {
+      (void)*a;
+      ADD_FAILURE() << "no exception at attempt " << attempt;
+    } catch (const std::runtime_error& e) {
+      EXPECT_STREQ(e.what(), "record 5 is bad");
+    }
+  }
+  ++a;
+  EXPECT_TRUE(at::equal((*a).target, at::tensor(std::vector<int64_t>{6, 7})));
+}
+
 TEST(LoaderWorkers, LeavingAnEpochEarlyThenStartingAgainIsClean) {
   zeal::LoaderOptions o{.batch_size = 2, .shuffle = true, .seed = 3};
   zeal::DataLoader plain(Numbers{.n = 30}, o);
