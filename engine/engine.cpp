@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "engine/comm/hybrid.h"
 #include "engine/checkpoint/state_stream.h"
 #include "engine/engine_state.h"
 #include "engine/error.h"
@@ -242,7 +243,55 @@ void Engine::init() {
     runtime_->comm().set_timeout(config_.launch.comm_timeout);
     if (device_.is_cuda()) comm().set_timeout(config_.launch.comm_timeout);  // NCCL's too
   }
+  make_hybrid_comm();
+  if (state_->hybrid && origin != config_.origins.end() && origin->second.kind != Origin::Kind::kDefault)
+    state_->hybrid->set_timeout(config_.launch.comm_timeout);
 }
+
+// hybrid_shard: every rank's machine (node rank) and local rank, exchanged; groups of the ranks of
+// one machine (they shard) and of the ranks with one local rank (they hold the same shard).
+void Engine::make_hybrid_comm() {
+  const auto& z = config_.zero;
+  if (!z.hybrid_shard || z.stage < 2 || runtime_->world_size() == 1) return;
+  Communicator& every = comm();
+  const int world = runtime_->world_size(), rank = runtime_->rank();
+  at::Tensor mine = at::tensor({int64_t{runtime_->env().node_rank}, int64_t{runtime_->local_rank()}}, at::kLong);
+  at::Tensor all = at::empty({2 * world}, at::kLong);
+  if (device_.is_cuda()) {
+    mine = mine.to(device_);
+    all = all.to(device_);
+  }
+  every.all_gather(mine, all).wait();
+  all = all.cpu();
+  std::vector<int> machine_of(world), local_of(world);
+  for (int r = 0; r < world; ++r) {
+    machine_of[r] = static_cast<int>(all[2 * r].item<int64_t>());
+    local_of[r] = static_cast<int>(all[2 * r + 1].item<int64_t>());
+  }
+  const HybridLayout l = hybrid_layout(rank, machine_of, local_of);
+  if (l.replica.size() == 1) {
+    if (is_main_process()) std::cerr << "zeal: hybrid_shard on one machine is full sharding\n";
+    return;
+  }
+  if (l.machine.size() == 1) {
+    throw Error(fmt::format("zero_optimization.hybrid_shard: each of the {} machines runs one rank, so there is "
+                            "nothing to shard inside a machine: that is replicating everything, ZeRO stage 0; use "
+                            "stage 0, or full sharding across machines (hybrid_shard false)",
+                            l.replica.size()));
+  }
+  const int dev = device_.is_cuda() && state_->cuda_backend == CudaBackend::kNccl ? device_.index() : -1;
+  Communicator& machine = runtime_->group_comm(fmt::format("machine{}", machine_of[rank]), l.machine, dev);
+  Communicator& replica = runtime_->group_comm(fmt::format("replica{}", local_of[rank]), l.replica, dev);
+  state_->replica_index = l.replica_index;
+  state_->hybrid = make_hybrid_communicator(every, machine, replica, l);
+  if (is_main_process()) {
+    std::cerr << fmt::format("zeal: hybrid_shard: the ZeRO state is sharded across the {} ranks of each machine and "
+                             "replicated across the {} machines\n",
+                             l.machine.size(), l.replica.size());
+  }
+}
+
+Communicator& Engine::shard_comm() { return state_->hybrid ? *state_->hybrid : comm(); }
 
 Communicator& Engine::comm() {
   // Gloo takes CUDA tensors too (staged through pinned host memory), for ranks that share a GPU.
@@ -253,7 +302,7 @@ Communicator& Engine::comm() {
 Engine::InitScope::InitScope(Engine* e) : e_(e) {
   const auto& z = e->config_.zero;
   e->state_->init_done = false;
-  ctx_ = std::make_unique<zero::InitContext>(e->comm(), z.stage == 3 && z.zero3_init_flag, e->device_);
+  ctx_ = std::make_unique<zero::InitContext>(e->shard_comm(), z.stage == 3 && z.zero3_init_flag, e->device_);
 }
 
 Engine::InitScope::~InitScope() = default;
@@ -607,7 +656,8 @@ void Engine::build_zero() {
     state_->param_swap =
         std::make_shared<zero::ParamSwap>(swap_dir(config_.zero.offload_param.nvme_path), state_->io, po);
   }
-  say_gradient_dtypes(c.world_size());
+  Communicator& sc = shard_comm();
+  say_gradient_dtypes(sc.reduction_world());
   if (!config_.zero.unit_names.empty() && is_main_process()) {
     std::cerr << fmt::format("zeal: zero_optimization.unit_names (fsdp_transformer_layer_cls_to_wrap) [{}] is not "
                              "applied: stage 3's units are the model's zeal::Sharded members\n",
@@ -629,7 +679,7 @@ void Engine::build_zero() {
     o3.param_swap = state_->param_swap;
     std::vector<zero::Stage3::Group> g3;
     for (auto& g : groups) g3.push_back({std::move(g.params), std::move(g.names), std::move(g.optimizer)});
-    state_->zero = std::make_unique<zero::Stage3>(c, module, std::move(g3), o3, state_->init_shards);
+    state_->zero = std::make_unique<zero::Stage3>(sc, module, std::move(g3), o3, state_->init_shards);
     state_->init_shards.reset();
     make_config_schedules();
     return;
@@ -642,7 +692,7 @@ void Engine::build_zero() {
   o.bucket_elems = config_.zero.reduce_bucket_size.value;
   o.overlap_comm = config_.zero.overlap_comm;
   o.offload = state_->offload;
-  state_->zero = std::make_unique<zero::ZeroOptimizer>(c, std::move(groups), o);
+  state_->zero = std::make_unique<zero::ZeroOptimizer>(sc, std::move(groups), o);
   make_config_schedules();
 }
 

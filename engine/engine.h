@@ -476,6 +476,10 @@ class Engine {
 
   void init();
   Communicator& comm();
+  // The communicator the ZeRO state is sharded over: comm(), or with hybrid_shard the machine's
+  // ranks, replicated across machines (engine/comm/hybrid.h).
+  Communicator& shard_comm();
+  void make_hybrid_comm();
   // engine.init's context: open while the model is built.
   class InitScope {
    public:

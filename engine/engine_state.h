@@ -59,6 +59,10 @@ struct Engine::State {
   bool init_done = false;
   const torch::nn::Module* init_module = nullptr;  // the model engine.init built (load_pretrained finds us by it)
   CudaBackend cuda_backend = CudaBackend::kNccl;  // which communicator carries CUDA tensors
+  // hybrid_shard across machines: the sharding's communicator and this rank's machine among the
+  // replicas of its shard (only machine 0's ranks write the state to checkpoints).
+  std::unique_ptr<Communicator> hybrid;
+  int replica_index = 0;
   std::shared_ptr<offload::HostArena> offload;     // offload_optimizer.device cpu or nvme
   std::shared_ptr<zero::NvmeOffload> nvme;         // offload_optimizer.device nvme
   std::shared_ptr<zero::ParamSwap> param_swap;     // offload_param.device nvme

@@ -172,6 +172,8 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
     c10::NoGradGuard no_grad;
     FilePlan plan;
     plan.ranges = z.state_ranges(/*to_write=*/true);
+    // hybrid_shard: the other machines hold copies of machine 0's shards; only machine 0 writes them.
+    if (state_->replica_index > 0) plan.ranges.clear();
     if (z.stage() < 3 && rank == 0 && options.include_frozen) {
       for (auto& [name, p] : frozen_params(*state_->module)) {
         plan.ranges.push_back({name, p.sizes().vec(), 0, p.numel(), p.detach().reshape({-1})});

@@ -101,6 +101,9 @@ class Communicator {
   virtual void check_agreement(const std::string& where) = 0;
   // The deadline of every collective and agreement point from now on, in seconds.
   virtual void set_timeout(double seconds) = 0;
+  // How many ranks a reduce_scatter reduces over: the world size, or more when the shards are
+  // replicated across machines (hybrid sharding). A sum of parts divided first divides by this.
+  virtual int reduction_world() const { return world_size(); }
   // Host memory this communicator keeps between collectives (Gloo's ring scratch), in bytes.
   virtual int64_t buffer_bytes() const { return 0; }
 

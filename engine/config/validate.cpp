@@ -359,12 +359,6 @@ std::vector<std::string> Config::validate() const {
     errors.push_back(fmt::format("{}: min_loss_scale {} is above the initial scale 2^{}",
                                  named(*this, "fp16.min_loss_scale"), fp16.min_loss_scale, fp16.initial_scale_power));
 
-  if (z.hybrid_shard && launch.num_machines > 1)
-    errors.push_back(fmt::format("{}: sharding inside each machine and replicating across machines is not "
-                                 "implemented: zeal would shard across all {} machines' ranks; use full sharding "
-                                 "(fsdp_sharding_strategy FULL_SHARD, or hybrid_shard false)",
-                                 named(*this, "zero_optimization.hybrid_shard"), launch.num_machines));
-
   if (!errors.empty()) throw ConfigError(errors);
 
   // Accepted, but worth saying.
@@ -375,8 +369,6 @@ std::vector<std::string> Config::validate() const {
     if (z.stage < 3 && explicitly_set(*this, key))
       warnings.push_back(fmt::format("{} applies to stage 3 only; stage is {}", named(*this, key), z.stage));
   }
-  if (z.hybrid_shard && launch.num_machines == 1)
-    warnings.push_back("hybrid sharding on one machine is the same as full sharding");
   if (launch.num_machines > 1 && (launch.main_process_ip == "127.0.0.1" || launch.main_process_ip == "localhost"))
     warnings.push_back(fmt::format("num_machines is {} but main_process_ip is {}: other machines cannot reach it",
                                    launch.num_machines, launch.main_process_ip));

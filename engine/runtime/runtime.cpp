@@ -3,6 +3,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <netdb.h>
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -22,6 +24,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "engine/comm/backends.h"
 #include "engine/comm/monitor.h"
@@ -280,6 +283,7 @@ struct Runtime::Impl {
   std::unique_ptr<Communicator> gloo;
   std::unique_ptr<Communicator> nccl;
   int nccl_device = -1;
+  std::map<std::string, std::unique_ptr<Communicator>> groups;  // group_comm, by name
   std::mutex mu;
 };
 
@@ -373,6 +377,7 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
 Runtime::~Runtime() {
   if (!impl_) return;
   Impl& m = *impl_;
+  m.groups.clear();
   m.nccl.reset();
   m.gloo.reset();
   if (!m.store || m.env.world_size < 2 || m.options.store_hosted_elsewhere || std::uncaught_exceptions() > 0) return;
@@ -430,6 +435,33 @@ Communicator& Runtime::cuda_comm(int device) {
                                                impl_->options.debug_collectives);
   impl_->nccl_device = device;
   return *impl_->nccl;
+}
+
+Communicator& Runtime::group_comm(const std::string& name, const std::vector<int>& ranks, int cuda_device) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const std::string key = fmt::format("{}@{}", name, cuda_device);
+  if (auto it = impl_->groups.find(key); it != impl_->groups.end()) return *it->second;
+  const auto me = std::find(ranks.begin(), ranks.end(), rank());
+  if (me == ranks.end()) {
+    throw Error(fmt::format("rank {} asked for the communicator '{}' of ranks [{}], which it is not one of", rank(),
+                            name, fmt::join(ranks, ", ")));
+  }
+  for (int r : ranks) {
+    if (r < 0 || r >= world_size() || std::count(ranks.begin(), ranks.end(), r) != 1) {
+      throw Error(fmt::format("the communicator '{}': ranks [{}] must be distinct ranks of 0..{}", name,
+                              fmt::join(ranks, ", "), world_size() - 1));
+    }
+  }
+  const int index = static_cast<int>(me - ranks.begin()), size = static_cast<int>(ranks.size());
+  auto store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("zeal/group/{}/", name), impl_->store);
+  std::unique_ptr<Communicator> c =
+      cuda_device >= 0
+          ? detail::make_nccl_communicator(store, index, size, cuda_device, impl_->timeout,
+                                           impl_->options.debug_collectives)
+          : detail::make_staging_communicator(detail::make_gloo_communicator(
+                store, index, size, impl_->timeout, impl_->options.debug_collectives,
+                world_size() == 1 ? "127.0.0.1" : impl_->env.master_addr));
+  return *(impl_->groups[key] = std::move(c));
 }
 
 // The program's store calls, each under comm_timeout (plus a margin for the wait's own deadline):

@@ -50,6 +50,12 @@ class Runtime {
   // local rank from the options' gpu_ids (engine/runtime/device_choice.h). Created on the first call; a later call naming
   // another GPU is an error. Throws zeal::Error without NCCL or a GPU.
   Communicator& cuda_comm(int device = -1);
+  // A communicator over some of the ranks, this one among them (`ranks`: global ranks, in the
+  // group's rank order), made on first use and kept under `name`. Every rank of the group must
+  // ask for it with the same name and ranks, in the same order relative to its other groups.
+  // cuda_device >= 0: NCCL on that GPU (the device cuda_comm uses); -1: Gloo (CPU tensors, CUDA
+  // tensors staged through pinned host memory).
+  Communicator& group_comm(const std::string& name, const std::vector<int>& ranks, int cuda_device = -1);
 
   // Small shared values through the store (for rendezvous-like exchanges; not for tensors).
   void store_set(const std::string& key, const std::string& value);

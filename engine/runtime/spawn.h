@@ -19,6 +19,9 @@ struct SpawnOptions {
   double grace_seconds = 10.0;      // after the first failure, before SIGKILL
   double timeout_seconds = 0.0;     // whole run; 0: none
   std::map<std::string, std::string> env;  // more variables for the children
+  // Ranks per simulated machine (0: all on one): rank r is local rank r % n of machine r / n
+  // (LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), as a launcher per machine would start them.
+  int ranks_per_machine = 0;
 };
 
 struct RankResult {

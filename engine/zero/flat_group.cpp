@@ -222,7 +222,7 @@ void FlatGroup::launch(int b) {
   // In 16 bits every rank's part is divided first (no overflow in the sum); in fp32 after the sum.
   const bool predivide = at::elementSize(opts_.comm_dtype) < 4;
   const ReduceOp op = predivide ? ReduceOp::kSum : ReduceOp::kAvg;
-  const int world = comm_.world_size();
+  const int world = comm_.reduction_world();
   InFlight f{b, {}, {}};
   if (opts_.stage < 2) {
     at::Tensor region = grad_flat_.narrow(0, k.offset, k.layout.padded_total());

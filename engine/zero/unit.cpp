@@ -247,7 +247,7 @@ Work Unit::reduce(bool wait) {
     // In 16 bits each rank's part is divided first, so the sum cannot overflow where the average
     // would not (DeepSpeed's gradient pre-division); in fp32 the average is taken after the sum.
     const bool predivide = at::elementSize(grad_staging_.scalar_type()) < 4;
-    if (predivide) grad_staging_.div_(comm.world_size());
+    if (predivide) grad_staging_.div_(comm.reduction_world());
     CollectiveLabel label(comm, fmt::format("{}, gradients", name_));
     at::Tensor mine = grad_staging_.narrow(0, l.shard_begin(comm.rank()), l.shard_size());
     w = comm.reduce_scatter(grad_staging_, mine, predivide ? ReduceOp::kSum : ReduceOp::kAvg);

@@ -133,10 +133,6 @@ const BadConfig kCases[] = {
     {"SageMakerIsNotSupported", "compute_environment: AMAZON_SAGEMAKER\n", {"compute_environment", "only LOCAL_MACHINE"}},
     {"HybridShardBelowStage2", "zero_optimization:\n  stage: 1\n  hybrid_shard: true\n",
      {"hybrid sharding needs ZeRO stage 2 or 3"}},
-    {"HybridShardAcrossMachinesIsNotImplemented",
-     "num_machines: 2\nnum_processes: 4\nmain_process_ip: 10.0.0.1\ndistributed_type: MULTI_CPU\nzero_optimization:\n"
-     "  stage: 3\n  hybrid_shard: true\n",
-     {"zero_optimization.hybrid_shard", "is not implemented", "shard across all 2 machines"}},
     {"FsdpStrategyUnknown", "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HALF_SHARD\n",
      {"fsdp_config.fsdp_sharding_strategy", "expected one of FULL_SHARD", "\"HALF_SHARD\""}},
     {"FileMustBeAMapping", "- a\n- b\n", {"bad.yaml:1:1", "must hold a mapping"}},

@@ -75,6 +75,9 @@ struct RunSpec {
   int64_t checkpoint_interval = 1;
   bool cpu_checkpointing = false;  // the checkpoints' inputs in pinned host memory (GPU ranks)
   double dropout = 0;
+  // zero_optimization.hybrid_shard, and the ranks of each simulated machine (0: one machine).
+  bool hybrid = false;
+  int ranks_per_machine = 0;
 };
 
 inline TinyGptOptions model_options() { return {}; }
@@ -179,6 +182,7 @@ inline zeal::Config make_config(const RunSpec& s) {
   c.activation_checkpointing.enabled = s.checkpointing;
   c.activation_checkpointing.unit_interval = s.checkpoint_interval;
   c.activation_checkpointing.cpu_checkpointing = s.cpu_checkpointing;
+  c.zero.hybrid_shard = s.hybrid;
   return c;
 }
 
@@ -310,6 +314,7 @@ inline RunResult run_engine(const RunSpec& s, const std::string& name, const Los
   const std::string dir = temp_dir(name);
   zeal::SpawnOptions so;
   so.env = s.env;
+  so.ranks_per_machine = s.ranks_per_machine;
   auto results = zeal::spawn([&](zeal::Runtime& rt) { train_rank(rt, s, dir, hook); }, s.world, so);
   EXPECT_EQ(zeal::describe_failures(results), "");
   RunResult r;

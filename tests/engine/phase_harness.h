@@ -30,6 +30,7 @@ inline std::vector<at::Tensor> run_phase(const Phase& p, const std::string& name
   const std::string out = temp_dir("ckpt_out_" + name);
   zeal::SpawnOptions so;
   so.env = s.env;
+  so.ranks_per_machine = s.ranks_per_machine;
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
         zeal::Engine engine(make_config(s), rt);

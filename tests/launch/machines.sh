@@ -8,7 +8,8 @@
 #    the store's machine;
 # 4. machine 1 started with another config (one override) → both refused at the rendezvous, naming
 #    the key;
-# 5. machine 1 running another zeal build (its library with another source id) → refused the same way.
+# 5. machine 1 running another zeal build (its library with another source id) → refused the same way;
+# 6. (after 1) 2 machines × 2 ranks with hybrid_shard end within rounding of full sharding.
 # Needs root and iproute2; exits 77 (skipped) otherwise.
 #
 # usage: machines.sh ZEAL TRAIN_GPT [PORT]
@@ -53,6 +54,54 @@ grep -q "4 ranks, ZeRO stage 3" "$work/m0.log" || fail "the two machines did not
 cmp "$work/one_out/model.safetensors" "$work/two_out/model.safetensors" ||
   fail "2 machines x 2 ranks and 1 machine x 4 ranks end with different parameters"
 echo "PASS: 2 machines x 2 ranks end bit-identical to 1 machine x 4 ranks"
+rm -f "$work"/m?.log
+
+# 2 machines x 2 ranks with hybrid sharding (sharded inside each machine, replicated across):
+# as close to full sharding on 4 ranks as one rank over the same global batch is (another legitimate
+# summation order: parameters whose gradient is rounding noise, like an attention key's bias, move by
+# Adam's whole step either way), each parameter tensor compared at its own scale.
+sed 's/^zero_optimization:$/zero_optimization:\n  hybrid_shard: true/' configs/zero3.yaml >"$work/hybrid.yaml"
+grep -q "hybrid_shard: true" "$work/hybrid.yaml" || fail "writing the hybrid config"
+hybrid=(--config_file "$work/hybrid.yaml" "${common[@]:2}")
+on_machine 0 "$zeal" launch "${hybrid[@]}" --main_process_port $((port + 6)) --machine_rank 0 \
+  "$train_gpt" "${short[@]}" --save_dir "$work/hyb" >"$work/m0.log" 2>&1 &
+p0=$!
+on_machine 1 "$zeal" launch "${hybrid[@]}" --main_process_port $((port + 6)) --machine_rank 1 \
+  "$train_gpt" "${short[@]}" --save_dir "$work/hyb" >"$work/m1.log" 2>&1 &
+p1=$!
+wait $p0 || fail "hybrid: machine 0 of 2 failed"
+wait $p1 || fail "hybrid: machine 1 of 2 failed"
+grep -q "sharded across the 2 ranks of each machine and replicated across the 2 machines" "$work/m0.log" ||
+  fail "hybrid: the run did not say it shards inside each machine"
+"$zeal" launch --config_file configs/zero3.yaml --num_processes 1 --main_process_port $((port + 6)) --no_bind \
+  "$train_gpt" --model tiny --steps 6 --seq_len 32 --micro_batch 8 --data README.md --seed 3 --save_dir "$work/single" >"$work/single.log" 2>&1 ||
+  fail "the one-rank run failed"
+for d in hyb single; do "$zeal" consolidate "$work/$d" "$work/${d}_out" >/dev/null || fail "consolidating $d"; done
+read -r worst bound < <(python3 - "$work/one_out/model.safetensors" "$work/hyb_out/model.safetensors" \
+  "$work/single_out/model.safetensors" <<'PY'
+import array, json, struct, sys
+def tensors(path):
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8:8 + n])
+    out = {}
+    for name, t in head.items():
+        if name == "__metadata__":
+            continue
+        assert t["dtype"] == "F32", t["dtype"]
+        a, b = t["data_offsets"]
+        out[name] = array.array("f", data[8 + n + a:8 + n + b])
+    return out
+def worst(x, y):
+    assert x.keys() == y.keys(), (sorted(x), sorted(y))
+    return max(max(abs(a - b) for a, b in zip(x[k], y[k])) / max(max(abs(a) for a in x[k]), 1e-12) for k in x)
+full, hyb, single = (tensors(p) for p in sys.argv[1:4])
+print("%.12f %.12f" % (worst(full, hyb), 4 * worst(full, single) + 1e-6))
+PY
+) || fail "hybrid: comparing the parameters"
+(($(echo "$worst <= $bound" | bc -l))) ||
+  fail "hybrid: the parameters differ from full sharding by $worst (relative), more than the bound $bound"
+echo "PASS: 2 machines x 2 ranks with hybrid_shard end within $worst (relative) of full sharding (bound $bound: 4 x one rank against full sharding)"
 rm -f "$work"/m?.log
 
 # Starts both machines on a long run; returns once machine 0 has logged step 3.
