@@ -29,6 +29,7 @@
 #include "engine/comm/hybrid.h"
 #include "engine/checkpoint/state_stream.h"
 #include "engine/engine_state.h"
+#include "engine/log.h"
 #include "engine/error.h"
 #include "engine/prepare_check.h"
 #include "engine/optim/loss_scale.h"
@@ -139,7 +140,7 @@ Engine::~Engine() {
     try {
       end_training();
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "zeal: closing the trackers: %s\n", e.what());
+      log::rank_warning("closing the trackers: {}", e.what());
     }
   }
   // Stage 3 leaves the model gathered (usable) when the engine goes, unless the engine held its
@@ -221,19 +222,17 @@ void Engine::init() {
   const c10::ScalarType lowp = config_.precision() == Precision::kBf16   ? at::kBFloat16
                                : config_.precision() == Precision::kFp16 ? at::kHalf
                                                                          : at::kFloat;
-  if (device_.is_cpu() && lowp != at::kFloat && runtime_->rank() == 0) {
+  if (device_.is_cpu() && lowp != at::kFloat) {
     const char* name = lowp == at::kBFloat16 ? "bf16" : "fp16";
     if (cpu_widens_products(lowp)) {
-      std::fprintf(stderr,
-                   "zeal: mixed_precision %s on a CPU without %s: torch::nn::Linear layers and zeal::linear multiply "
-                   "in fp32 (LibTorch's own %s products run 5 to 150 times slower here); other %s matrix products of "
-                   "the model (at::matmul, attention) stay slow; fp32 throughout: --mixed_precision no\n",
-                   name, lowp == at::kBFloat16 ? "AVX512-BF16" : "AVX512-FP16", name, name);
+      log::info("mixed_precision {} on a CPU without {}: torch::nn::Linear layers and zeal::linear multiply in fp32 "
+                "(LibTorch's own {} products run 5 to 150 times slower here); other {} matrix products of the model "
+                "(at::matmul, attention) stay slow; fp32 throughout: --mixed_precision no",
+                name, lowp == at::kBFloat16 ? "AVX512-BF16" : "AVX512-FP16", name, name);
     } else if (!cpu_has_instructions(lowp)) {  // ZEAL_CPU_LOWP_MATMUL=native
-      std::fprintf(stderr,
-                   "zeal: warning: mixed_precision %s on a CPU without %s and ZEAL_CPU_LOWP_MATMUL=native: "
-                   "LibTorch's %s matrix products run 5 (linear layers) to 150 (matmul) times slower than fp32 here; "
-                   "fp32 throughout: --mixed_precision no\n",
+      log::warning("mixed_precision {} on a CPU without {} and ZEAL_CPU_LOWP_MATMUL=native: LibTorch's {} matrix "
+                   "products run 5 (linear layers) to 150 (matmul) times slower than fp32 here; fp32 throughout: "
+                   "--mixed_precision no",
                    name, lowp == at::kBFloat16 ? "AVX512-BF16" : "AVX512-FP16", name);
     }
   }
@@ -270,7 +269,7 @@ void Engine::make_hybrid_comm() {
   }
   const HybridLayout l = hybrid_layout(rank, machine_of, local_of);
   if (l.replica.size() == 1) {
-    if (is_main_process()) std::cerr << "zeal: hybrid_shard on one machine is full sharding\n";
+    log::info("hybrid_shard on one machine is full sharding");
     return;
   }
   if (l.machine.size() == 1) {
@@ -284,11 +283,9 @@ void Engine::make_hybrid_comm() {
   Communicator& replica = runtime_->group_comm(fmt::format("replica{}", local_of[rank]), l.replica, dev);
   state_->replica_index = l.replica_index;
   state_->hybrid = make_hybrid_communicator(every, machine, replica, l);
-  if (is_main_process()) {
-    std::cerr << fmt::format("zeal: hybrid_shard: the ZeRO state is sharded across the {} ranks of each machine and "
-                             "replicated across the {} machines\n",
-                             l.machine.size(), l.replica.size());
-  }
+  log::info("hybrid_shard: the ZeRO state is sharded across the {} ranks of each machine and replicated across the "
+            "{} machines",
+            l.machine.size(), l.replica.size());
 }
 
 Communicator& Engine::shard_comm() { return state_->hybrid ? *state_->hybrid : comm(); }
@@ -391,9 +388,9 @@ void Engine::finish_prepare() {
 // fp32 even when training in 16 bits, where DeepSpeed reduces in the training dtype: said, so that
 // neither the bytes on the wire nor the rounding surprise anyone.
 void Engine::say_gradient_dtypes(int world) const {
-  if (!is_main_process()) return;
+  if (!log::enabled(log::Level::kInfo)) return;
   const at::ScalarType accum = grad_dtype(config_.grad_accum_dtype), wire = grad_dtype(config_.communication_data_type);
-  std::string line = fmt::format("zeal: gradients accumulate in {}", dtype_name(accum));
+  std::string line = fmt::format("gradients accumulate in {}", dtype_name(accum));
   if (world > 1) {
     line += fmt::format(" and are reduced across ranks in {}", dtype_name(wire));
     if (config_.communication_data_type.empty() && compute_dtype_ != at::kFloat) {
@@ -401,7 +398,7 @@ void Engine::say_gradient_dtypes(int world) const {
                           dtype_name(compute_dtype_), dtype_name(compute_dtype_));
     }
   }
-  std::cerr << line << "\n";
+  log::info("{}", line);
 }
 
 // memory_check: every rank's predicted peak against what it may use, and with offload to nvme the
@@ -426,8 +423,7 @@ void Engine::check_memory_at_prepare() {
       if (config_.zero.offload_param.device == OffloadDevice::kNvme) paths.insert(config_.zero.offload_param.nvme_path);
       for (const auto& path : paths) {
         for (const auto& d : offload::remove_earlier_attempt(path, pids)) {
-          std::fprintf(stderr, "zeal: offload: rank %d removed %s, the swap files of the attempt before this one\n",
-                       runtime_->rank(), d.c_str());
+          log::rank_info("offload: removed {}, the swap files of the attempt before this one", d);
         }
       }
     }
@@ -472,12 +468,9 @@ void Engine::check_memory_at_prepare() {
   if (config_.memory_check == "error") {
     throw Error(fmt::format("memory_check: error: {} will not fit: {} (memory_check: warn trains anyway)", ranks, first));
   }
-  if (is_main_process()) {
-    std::cerr << fmt::format("zeal: warning: {} may run out of memory: {} A smaller micro-batch and activation "
-                             "checkpointing lower the activations on top. (memory_check: error refuses to train, "
-                             "off silences this.)\n",
-                             ranks, first);
-  }
+  log::warning("{} may run out of memory: {} A smaller micro-batch and activation checkpointing lower the activations "
+               "on top. (memory_check: error refuses to train, off silences this.)",
+               ranks, first);
 }
 
 void Engine::build_zero() {
@@ -588,11 +581,10 @@ void Engine::build_zero() {
       if (runtime_->rank() == 0) {
         const offload::TuneResult t = offload::tune_io(where, int64_t{64} << 20, 4.0);
         chosen = fmt::format("{} {}", t.best.block_size, t.best.queue_depth);
-        std::fprintf(stderr,
-                     "zeal: offload: aio auto: measured %s in %zu settings: block_size %lld, queue_depth %d "
-                     "(write %.2f GB/s, read %.2f GB/s)\n",
-                     where.c_str(), t.trials.size(), static_cast<long long>(t.best.block_size), t.best.queue_depth,
-                     t.best.write_bytes_per_s / 1e9, t.best.read_bytes_per_s / 1e9);
+        log::info("offload: aio auto: measured {} in {} settings: block_size {}, queue_depth {} (write {:.2f} GB/s, "
+                  "read {:.2f} GB/s)",
+                  where, t.trials.size(), t.best.block_size, t.best.queue_depth, t.best.write_bytes_per_s / 1e9,
+                  t.best.read_bytes_per_s / 1e9);
         if (runtime_->world_size() > 1) runtime_->store_set("offload/aio", chosen);
       } else {
         chosen = runtime_->store_get("offload/aio");
@@ -607,9 +599,8 @@ void Engine::build_zero() {
     io.verify = config_.aio.verify;
     std::string why;
     state_->io = offload::make_io_engine(io, std::getenv("ZEAL_OFFLOAD_IO") && std::string(std::getenv("ZEAL_OFFLOAD_IO")) == "threads", &why);
-    if (!why.empty() && runtime_->local_rank() == 0) {
-      std::fprintf(stderr, "zeal: offload: %s; reading and writing through %d threads instead\n", why.c_str(),
-                   io.thread_count);
+    if (!why.empty() && runtime_->local_rank() == 0) {  // once per machine
+      log::rank_info("offload: {}; reading and writing through {} threads instead", why, io.thread_count);
     }
   }
   // The rank's swap directory under an nvme_path: one per path (the optimizer's and the
@@ -622,7 +613,7 @@ void Engine::build_zero() {
       dir = std::make_shared<offload::SwapDir>(nvme_path, state_->run_id, runtime_->rank());
       if (runtime_->local_rank() == 0) {
         for (const auto& d : dir->stale()) {
-          std::fprintf(stderr, "zeal: offload: %s was left by a run that did not finish; remove it\n", d.c_str());
+          log::rank_warning("offload: {} was left by a run that did not finish; remove it", d);
         }
       }
     }
@@ -635,15 +626,13 @@ void Engine::build_zero() {
     // sub_group_size bounds a window, and so does kMaxNvmeWindowElems (DeepSpeed's default of 1e9
     // would ask for 64 GB per rank).
     nv->sub_group_elems = std::min<int64_t>(config_.zero.sub_group_size, kMaxNvmeWindowElems);
-    if (config_.zero.sub_group_size > kMaxNvmeWindowElems && runtime_->rank() == 0) {
-      std::fprintf(stderr,
-                   "zeal: offload: the optimizer's nvme windows hold %lld elements (sub_group_size %lld would keep "
-                   "about %s of window buffers in host memory per rank)\n",
-                   static_cast<long long>(kMaxNvmeWindowElems), static_cast<long long>(config_.zero.sub_group_size),
-                   format_bytes(static_cast<double>(nvme_window_bytes_per_elem(static_cast<int>(std::min<int64_t>(
-                                    config_.zero.offload_optimizer.buffer_count, 3)))) *
-                                static_cast<double>(config_.zero.sub_group_size))
-                       .c_str());
+    if (config_.zero.sub_group_size > kMaxNvmeWindowElems) {
+      log::info("offload: the optimizer's nvme windows hold {} elements (sub_group_size {} would keep about {} of "
+                "window buffers in host memory per rank)",
+                kMaxNvmeWindowElems, config_.zero.sub_group_size,
+                format_bytes(static_cast<double>(nvme_window_bytes_per_elem(static_cast<int>(
+                                 std::min<int64_t>(config_.zero.offload_optimizer.buffer_count, 3)))) *
+                             static_cast<double>(config_.zero.sub_group_size)));
     }
     nv->buffer_sets = static_cast<int>(std::min<int64_t>(config_.zero.offload_optimizer.buffer_count, 3));
     state_->nvme = nv;
@@ -658,10 +647,10 @@ void Engine::build_zero() {
   }
   Communicator& sc = shard_comm();
   say_gradient_dtypes(sc.reduction_world());
-  if (!config_.zero.unit_names.empty() && is_main_process()) {
-    std::cerr << fmt::format("zeal: zero_optimization.unit_names (fsdp_transformer_layer_cls_to_wrap) [{}] is not "
-                             "applied: stage 3's units are the model's zeal::Sharded members\n",
-                             fmt::join(config_.zero.unit_names, ", "));
+  if (!config_.zero.unit_names.empty()) {
+    log::warning("zero_optimization.unit_names (fsdp_transformer_layer_cls_to_wrap) [{}] is not applied: stage 3's "
+                 "units are the model's zeal::Sharded members",
+                 fmt::join(config_.zero.unit_names, ", "));
   }
   if (stage3) {
     zero::Stage3Options o3;
@@ -703,10 +692,21 @@ void Engine::make_config_schedules() {
   state_->wall.mark = std::chrono::steady_clock::now();
   state_->wall.marked = true;
   state_->config_schedules.clear();
-  for (double base : state_->base_lrs) {
-    std::shared_ptr<optim::LrSchedule> s = optim::make_schedule(config_.scheduler, base);
-    if (!s) return;
-    state_->config_schedules.push_back(std::move(s));
+  const auto& sc = config_.scheduler;
+  if (sc.type.empty()) return;
+  // DeepSpeed's rule for a list (its _format_param): exactly one rate per parameter group.
+  const size_t groups = state_->base_lrs.size();
+  for (const auto& [key, list] : {std::pair{"warmup_min_lr", &sc.warmup_min_lrs}, std::pair{"warmup_max_lr", &sc.warmup_max_lrs}}) {
+    if (!list->empty() && list->size() != groups) {
+      const std::string full = std::string("scheduler.params.") + key;
+      const auto origin = config_.origins.find(full);
+      throw Error(fmt::format("{} (from {}): expected {} values (one per parameter group of the optimizer), got {}",
+                              full, origin == config_.origins.end() ? Origin{}.describe() : origin->second.describe(),
+                              groups, list->size()));
+    }
+  }
+  for (size_t g = 0; g < groups; ++g) {
+    state_->config_schedules.push_back(optim::make_schedule(sc, state_->base_lrs[g], g));
   }
 }
 
@@ -849,7 +849,7 @@ void Engine::step() {
   last_grad_norm_ = r.grad_norm;
   last_step_skipped_ = !r.stepped;
   if (!r.abandoned.empty()) {
-    if (is_main_process()) std::cerr << fmt::format("zeal: optimizer step {} skipped: {}\n", optimizer_steps_ + 1, r.abandoned);
+    log::warning("optimizer step {} skipped: {}", optimizer_steps_ + 1, r.abandoned);
     ++skipped_steps_;
     sync_buffers();
     report_progress(lrs);
@@ -857,9 +857,9 @@ void Engine::step() {
   }
   if (state_->scaler) {
     state_->scaler->update(!r.stepped);
-  } else if (!r.stepped && is_main_process()) {
-    std::cerr << fmt::format("zeal: optimizer step {} skipped: the gradients hold inf or nan (norm {})\n",
-                             optimizer_steps_ + 1, r.grad_norm);
+  } else if (!r.stepped) {
+    log::warning("optimizer step {} skipped: the gradients hold inf or nan (norm {})", optimizer_steps_ + 1,
+                 r.grad_norm);
   }
   if (r.stepped) {
     ++optimizer_steps_;
@@ -905,20 +905,20 @@ void Engine::sync_buffers() {
 // steps skipped, each group's learning rate of that step, the gradient norm and, in fp16, the loss scale.
 void Engine::report_progress(const std::vector<double>& lrs) {
   const int64_t steps = optimizer_steps_ + skipped_steps_;
-  if (!is_main_process() || steps % config_.steps_per_print != 0) return;
+  if (!log::enabled(log::Level::kInfo) || steps % config_.steps_per_print != 0) return;
   std::string rates;
   for (size_t g = 0; g < lrs.size(); ++g) rates += fmt::format("{}{:.6g}", g ? ", " : "", lrs[g]);
-  std::string line = fmt::format("zeal: step={}, skipped={}, lr=[{}], grad_norm={:.6g}", steps, skipped_steps_, rates,
+  std::string line = fmt::format("step={}, skipped={}, lr=[{}], grad_norm={:.6g}", steps, skipped_steps_, rates,
                                  last_grad_norm_);
   if (state_->scaler) line += fmt::format(", loss_scale={:g}", state_->scaler->scale());
-  std::cerr << line << "\n";
+  log::info("{}", line);
   // wall_clock_breakdown: the mean per optimizer step since the last line. "forward" is everything
   // from the end of the previous backward or step to the next backward (the forward, and the data).
   auto& w = state_->wall;
   if (config_.wall_clock_breakdown && w.steps > 0) {
     const double n = static_cast<double>(w.steps);
-    std::cerr << fmt::format("zeal: time (ms) per step, mean of {} | forward: {:.2f} | backward: {:.2f} | step: {:.2f}\n",
-                             w.steps, w.forward / n, w.backward / n, w.step / n);
+    log::info("time (ms) per step, mean of {} | forward: {:.2f} | backward: {:.2f} | step: {:.2f}", w.steps,
+              w.forward / n, w.backward / n, w.step / n);
   }
   w.forward = w.backward = w.step = 0;
   w.steps = 0;

@@ -8,6 +8,7 @@
 #include "engine/engine.h"
 #include "engine/engine_state.h"
 #include "engine/error.h"
+#include "engine/log.h"
 
 namespace zeal {
 
@@ -61,8 +62,8 @@ void Engine::open_trackers(const std::string& project_name, const std::map<std::
     }
   }
   for (const auto& n : nowhere) {
-    std::fprintf(stderr, "zeal: log_with %s: zeal has no %s tracker; nothing is sent there (tensorboard, csv and jsonl "
-                 "are built in)\n", n.c_str(), n.c_str());
+    log::warning("log_with {}: zeal has no {} tracker; nothing is sent there (tensorboard, csv and jsonl are built in)",
+                 n, n);
   }
   if (chosen.empty()) return;  // as Accelerate: no tracker chosen, nothing logged, nothing said
   std::map<std::string, std::string> recorded = config;
@@ -75,7 +76,7 @@ void Engine::open_trackers(const std::string& project_name, const std::map<std::
     state_->trackers.push_back(make_tracker(kind, dir.string(), recorded));
     said += fmt::format("{}{} in {}", said.empty() ? "" : ", ", kind, dir.string());
   }
-  std::fprintf(stderr, "zeal: trackers: %s\n", said.c_str());
+  log::info("trackers: {}", said);
 }
 
 void Engine::log(const Metrics& values, int64_t step) {

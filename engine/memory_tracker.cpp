@@ -19,16 +19,6 @@ namespace zeal {
 
 namespace {
 
-int64_t status_field(const char* field) {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  const size_t n = std::char_traits<char>::length(field);
-  while (std::getline(f, line)) {
-    if (line.compare(0, n, field) == 0 && line.size() > n && line[n] == ':') return std::stoll(line.substr(n + 1)) * 1024;
-  }
-  return 0;
-}
-
 // The first engine's start in this process (a forked rank measures its own).
 std::mutex baseline_mu;
 int64_t baseline = 0;
@@ -63,8 +53,6 @@ int64_t runtime_baseline() {
   std::lock_guard<std::mutex> lock(baseline_mu);
   return baseline_pid == ::getpid() ? baseline : 0;
 }
-int64_t resident_bytes() { return status_field("VmRSS"); }
-int64_t resident_peak_bytes() { return status_field("VmHWM"); }
 void reset_resident_peak() { reset_cpu_peak(); }
 }  // namespace detail
 

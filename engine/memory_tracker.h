@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/resident.h"
 #include "engine/memory.h"
 
 namespace zeal {
@@ -88,10 +89,8 @@ namespace detail {
 // The engine notes the resident set when it starts: the runtime's baseline in every report.
 void note_runtime_baseline();
 int64_t runtime_baseline();
-// The process's resident set and its high-water mark now (bytes), and a reset of the mark to the
+// A reset of the resident set's high-water mark (resident_peak_bytes, engine/resident.h) to the
 // resident set now (open phases keep the peak they had reached).
-int64_t resident_bytes();
-int64_t resident_peak_bytes();
 void reset_resident_peak();
 }  // namespace detail
 

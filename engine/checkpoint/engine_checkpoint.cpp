@@ -49,6 +49,7 @@
 #include "engine/checkpoint/tensor_dtype.h"
 #include "engine/comm/communicator.h"
 #include "engine/engine_state.h"
+#include "engine/log.h"
 #include "engine/error.h"
 #include "engine/runtime/runtime.h"
 #include "offload/crc32c.h"
@@ -85,8 +86,7 @@ void Engine::finish_background_save() noexcept {
     if (state_->saving.valid()) {
       const std::string e = state_->saving.get();
       if (!e.empty()) {
-        std::fprintf(stderr, "zeal: the asynchronous save_state of %s failed on this rank: %s\n",
-                     state_->saving_dir.c_str(), e.c_str());
+        log::rank_error("the asynchronous save_state of {} failed on this rank: {}", state_->saving_dir, e);
       }
     }
     if (state_->cleanup.valid()) state_->cleanup.wait();
@@ -465,9 +465,9 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
                                 static_cast<char*>(host.data_ptr())});
         buffers.push_back({b, host});
       }
-    } else if (c.rank() == 0 && !state_->module->buffers(true).empty()) {
-      std::fprintf(stderr, "zeal: load_state: %s was saved without the model's buffers (format version 1): they "
-                   "keep their values\n", dir.string().c_str());
+    } else if (!state_->module->buffers(true).empty()) {
+      log::warning("load_state: {} was saved without the model's buffers (format version 1): they keep their values",
+                   dir.string());
     }
     // What fits the budget is kept from the check to the apply (each byte read once).
     int64_t total = 0;
@@ -535,9 +535,9 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
       std::lock_guard<std::mutex> lock(g.mutex());
       g.set_state(t);
     }
-  } else if (c.rank() == 0) {
-    std::fprintf(stderr, "zeal: load_state: random number generators not restored (saved by %d ranks, running on %d)\n",
-                 saved_world, c.world_size());
+  } else {
+    log::info("load_state: random number generators not restored (saved by {} ranks, running on {})", saved_world,
+              c.world_size());
   }
   optimizer_steps_ = m["optimizer_steps"].get<int64_t>();
   skipped_steps_ = m.value("skipped_steps", int64_t{0});  // absent before this field existed

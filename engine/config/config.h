@@ -131,6 +131,9 @@ struct SchedulerConfig {
   std::string type;  // empty, WarmupLR, WarmupDecayLR or WarmupCosineLR
   Auto<double> warmup_min_lr{0.0};
   Auto<double> warmup_max_lr{1e-3};
+  // DeepSpeed's per-group form: a list with one rate per parameter group (empty: the scalar above
+  // for every group). The scalar then holds the list's first value.
+  std::vector<double> warmup_min_lrs, warmup_max_lrs;
   Auto<int64_t> warmup_num_steps{1000};
   std::string warmup_type = "log";  // log or linear
   Auto<int64_t> total_num_steps{0};  // required by the decaying schedules

@@ -231,6 +231,37 @@ const FloatRange kNonNegative{};
 const FloatRange kPositive{0.0, std::numeric_limits<double>::infinity(), true, false};
 const FloatRange kUnit{0.0, 1.0, false, false};
 
+// A learning rate for every parameter group ("auto" or a float), or DeepSpeed's list of one rate per
+// group (checked against the groups at prepare).
+template <class GetScalar, class GetList>
+Field rate_or_list(std::string key, GetScalar scalar, GetList list, std::string doc) {
+  Field f = auto_float(key, scalar, kNonNegative, std::move(doc) + "; a list: one per parameter group");
+  f.type = "float, auto or a list of floats";
+  auto parse_scalar = f.parse;
+  auto print_scalar = f.print;
+  f.parse = [parse_scalar, scalar, list](Config& c, const YAML::Node& n) {
+    if (!n.IsSequence()) {
+      list(c).clear();
+      parse_scalar(c, n);
+      return;
+    }
+    if (n.size() == 0) throw ValueError{"an empty list (give one rate per parameter group, or one rate)"};
+    std::vector<double> rates;
+    for (const auto& e : n) rates.push_back(read_float(e, kNonNegative));
+    list(c) = rates;
+    scalar(c) = {rates.front(), false};
+  };
+  f.print = [print_scalar, list](const Config& c) {
+    const auto& rates = list(const_cast<Config&>(c));
+    if (rates.empty()) return print_scalar(c);
+    std::vector<std::string> q;
+    for (double r : rates) q.push_back(fmt_float(r));
+    return "[" + join(q, ", ") + "]";
+  };
+  return f;
+}
+
+
 std::vector<Field> make_fields() {
   std::vector<Field> f;
   // Launcher (Accelerate's top-level keys).
@@ -498,10 +529,10 @@ std::vector<Field> make_fields() {
   f.push_back(enum_field("scheduler.type", ZEAL_GET(scheduler.type),
                          {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"},
                          "Learning-rate schedule zeal builds (empty: none or the program's own)", true));
-  f.push_back(auto_float("scheduler.params.warmup_min_lr", ZEAL_GET(scheduler.warmup_min_lr), kNonNegative,
-                         "Learning rate at step 0"));
-  f.push_back(auto_float("scheduler.params.warmup_max_lr", ZEAL_GET(scheduler.warmup_max_lr), kNonNegative,
-                         "Learning rate after warm-up"));
+  f.push_back(rate_or_list("scheduler.params.warmup_min_lr", ZEAL_GET(scheduler.warmup_min_lr),
+                           ZEAL_GET(scheduler.warmup_min_lrs), "Learning rate at step 0"));
+  f.push_back(rate_or_list("scheduler.params.warmup_max_lr", ZEAL_GET(scheduler.warmup_max_lr),
+                           ZEAL_GET(scheduler.warmup_max_lrs), "Learning rate after warm-up"));
   f.push_back(auto_int("scheduler.params.warmup_num_steps", ZEAL_GET(scheduler.warmup_num_steps), 0,
                        "Warm-up steps"));
   f.push_back(enum_field("scheduler.params.warmup_type", ZEAL_GET(scheduler.warmup_type), {"log", "linear"},

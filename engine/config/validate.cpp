@@ -351,10 +351,24 @@ std::vector<std::string> Config::validate() const {
     errors.push_back(fmt::format("{}: total_num_steps {} is shorter than warmup_num_steps {}",
                                  named(*this, "scheduler.params.total_num_steps"), s.total_num_steps.value,
                                  s.warmup_num_steps.value));
-  if (!s.warmup_min_lr.is_auto && !s.warmup_max_lr.is_auto && s.warmup_min_lr.value > s.warmup_max_lr.value)
-    errors.push_back(fmt::format("{}: warmup_min_lr {} is above warmup_max_lr {}",
-                                 named(*this, "scheduler.params.warmup_min_lr"), s.warmup_min_lr.value,
-                                 s.warmup_max_lr.value));
+  if (!s.warmup_min_lrs.empty() && !s.warmup_max_lrs.empty() && s.warmup_min_lrs.size() != s.warmup_max_lrs.size())
+    errors.push_back(fmt::format("{} lists {} rates and {} lists {}: one per parameter group in both",
+                                 named(*this, "scheduler.params.warmup_min_lr"), s.warmup_min_lrs.size(),
+                                 named(*this, "scheduler.params.warmup_max_lr"), s.warmup_max_lrs.size()));
+  else if (!s.warmup_min_lr.is_auto && !s.warmup_max_lr.is_auto) {
+    // Group by group when either is a list (a scalar stands for every group).
+    const size_t n = std::max({s.warmup_min_lrs.size(), s.warmup_max_lrs.size(), size_t{1}});
+    for (size_t g = 0; g < n; ++g) {
+      const double lo = s.warmup_min_lrs.empty() ? s.warmup_min_lr.value : s.warmup_min_lrs[g];
+      const double hi = s.warmup_max_lrs.empty() ? s.warmup_max_lr.value : s.warmup_max_lrs[g];
+      if (lo > hi) {
+        errors.push_back(fmt::format("{}: warmup_min_lr {} is above warmup_max_lr {}{}",
+                                     named(*this, "scheduler.params.warmup_min_lr"), lo, hi,
+                                     n > 1 ? fmt::format(" for parameter group {}", g) : std::string()));
+        break;
+      }
+    }
+  }
   if (fp16.loss_scale == 0.0 && fp16.min_loss_scale > std::ldexp(1.0, static_cast<int>(fp16.initial_scale_power)))
     errors.push_back(fmt::format("{}: min_loss_scale {} is above the initial scale 2^{}",
                                  named(*this, "fp16.min_loss_scale"), fp16.min_loss_scale, fp16.initial_scale_power));

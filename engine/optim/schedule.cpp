@@ -97,21 +97,30 @@ double WarmupCosineLR::lr_at(int64_t t) const {
   return base_lr_ * ratio;
 }
 
-std::unique_ptr<LrSchedule> make_schedule(const SchedulerConfig& c, double optimizer_lr) {
+std::unique_ptr<LrSchedule> make_schedule(const SchedulerConfig& c, double optimizer_lr, size_t group) {
   if (c.type.empty()) return nullptr;
   auto need = [&](const auto& v, const char* key) {
     if (v.is_auto) throw Error(fmt::format("scheduler.params.{} is \"auto\" and was not resolved (call Config::resolve_auto)", key));
     return v.value;
   };
+  auto rate = [&](const Auto<double>& scalar, const std::vector<double>& list, const char* key) {
+    if (list.empty()) return need(scalar, key);
+    if (group >= list.size()) {
+      throw Error(fmt::format("scheduler.params.{}: expected a value for parameter group {}, got {} values", key,
+                              group, list.size()));
+    }
+    return list[group];
+  };
   const Warmup type = c.warmup_type == "linear" ? Warmup::kLinear : Warmup::kLog;
   const int64_t warmup = need(c.warmup_num_steps, "warmup_num_steps");
   if (c.type == "WarmupLR") {
-    return std::make_unique<WarmupLR>(need(c.warmup_min_lr, "warmup_min_lr"), need(c.warmup_max_lr, "warmup_max_lr"),
-                                      warmup, type);
+    return std::make_unique<WarmupLR>(rate(c.warmup_min_lr, c.warmup_min_lrs, "warmup_min_lr"),
+                                      rate(c.warmup_max_lr, c.warmup_max_lrs, "warmup_max_lr"), warmup, type);
   }
   if (c.type == "WarmupDecayLR") {
-    return std::make_unique<WarmupDecayLR>(need(c.total_num_steps, "total_num_steps"), need(c.warmup_min_lr, "warmup_min_lr"),
-                                           need(c.warmup_max_lr, "warmup_max_lr"), warmup, type);
+    return std::make_unique<WarmupDecayLR>(need(c.total_num_steps, "total_num_steps"),
+                                           rate(c.warmup_min_lr, c.warmup_min_lrs, "warmup_min_lr"),
+                                           rate(c.warmup_max_lr, c.warmup_max_lrs, "warmup_max_lr"), warmup, type);
   }
   if (c.type == "WarmupCosineLR") {
     return std::make_unique<WarmupCosineLR>(optimizer_lr, need(c.total_num_steps, "total_num_steps"), c.warmup_min_ratio,

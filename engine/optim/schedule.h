@@ -104,7 +104,9 @@ class HfSchedule : public LrSchedule {
 
 // The schedule the config names (nullptr when it names none). `optimizer_lr` is the optimizer's
 // resolved lr (WarmupCosineLR scales it). Throws zeal::Error for an unresolved "auto".
-std::unique_ptr<LrSchedule> make_schedule(const SchedulerConfig& config, double optimizer_lr);
+// `group`: the parameter group, which takes its own entry of a per-group list of rates (DeepSpeed's
+// warmup_min_lr / warmup_max_lr lists; the caller checks their length against the groups).
+std::unique_ptr<LrSchedule> make_schedule(const SchedulerConfig& config, double optimizer_lr, size_t group = 0);
 
 }  // namespace optim
 }  // namespace zeal

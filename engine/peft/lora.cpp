@@ -35,6 +35,7 @@
 #include "engine/checkpoint/transforms.h"
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "engine/log.h"
 #include "engine/peft/slots.h"
 #include "engine/zero/sharded.h"
 
@@ -945,10 +946,11 @@ PretrainedReport load_pretrained(torch::nn::Module& model, const std::string& pa
     throw Error(std::string("load_pretrained: ") + e.what());
   }
   if (!options.quiet && peft::main_process(nullptr) && !report.missing.empty()) {
-    std::cerr << fmt::format("[zeal] load_pretrained: {} parameters are not in {} and keep their initial values: {}{}\n",
-                             report.missing.size(), path,
-                             fmt::join(report.missing.begin(), report.missing.begin() + std::min<size_t>(8, report.missing.size()), ", "),
-                             report.missing.size() > 8 ? ", ..." : "");
+    log::warning("load_pretrained: {} parameters are not in {} and keep their initial values: {}{}",
+                 report.missing.size(), path,
+                 fmt::join(report.missing.begin(), report.missing.begin() + std::min<size_t>(8, report.missing.size()),
+                           ", "),
+                 report.missing.size() > 8 ? ", ..." : "");
   }
   return report;
 }

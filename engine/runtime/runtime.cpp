@@ -29,6 +29,7 @@
 #include "engine/comm/backends.h"
 #include "engine/comm/monitor.h"
 #include "engine/comm/staging.h"
+#include "engine/log.h"
 #include "engine/runtime/device_choice.h"
 #include "engine/config/config.h"
 #include "engine/config/schema.h"
@@ -296,6 +297,8 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
   const std::string settings = std::exchange(g_settings, std::string());  // from Runtime(const Config&), if so
   m.env = env;
   m.options = options;
+  log::read_environment();  // a ZEAL_LOG_LEVEL it does not know is an error now, not a silent default
+  log::set_rank(env.rank, env.world_size);
   m.options.debug_collectives = options.debug_collectives || env_flag("ZEAL_DEBUG_COLLECTIVES");
   m.timeout = std::chrono::milliseconds(static_cast<int64_t>(options.comm_timeout * 1000.0));
   if (options.report_uncaught) {

@@ -1,4 +1,5 @@
 #include "engine/zero/stage3.h"
+#include "engine/log.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -47,7 +48,7 @@ Stage3::~Stage3() {
       if (gather_at_shutdown_)
         for (auto& u : units_) u->gather(true, "shutdown");
     } catch (const std::exception& e) {
-      std::cerr << "zeal: stage 3 could not gather the model at shutdown, exiting: " << e.what() << std::endl;
+      log::rank_error("stage 3 could not gather the model at shutdown, exiting: {}", e.what());
       std::_Exit(EXIT_FAILURE);
     }
   } else {
@@ -71,9 +72,9 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
       units_.push_back(std::make_unique<Unit>(*this, static_cast<int>(units_.size()), item.key()));
     }
   }
-  if (sharded.empty() && comm_.rank() == 0) {
-    std::cerr << "zeal: stage 3 found no zeal::Sharded member in the model: it trains as one unit that stays "
-                 "gathered, which saves optimizer and gradient memory but no parameter memory\n";
+  if (sharded.empty()) {
+    log::warning("stage 3 found no zeal::Sharded member in the model: it trains as one unit that stays gathered, "
+                 "which saves optimizer and gradient memory but no parameter memory");
   }
   // Each parameter belongs to the innermost Sharded member holding it; one held by two members
   // neither of which contains the other (tied across units) is refused. A parameter the root uses
@@ -176,13 +177,8 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
       need += shard * esize + 2 * 4096;  // the shards that will go to disk, before anything is written
     }
     opts_.param_swap->dir().require(need, "the parameters offloaded to nvme (offload_param)");
-    if (comm_.rank() == 0) {
-      std::fprintf(stderr,
-                   "zeal: offload_param nvme: %lld units on disk, %lld kept in host memory (%lld elements per rank, "
-                   "max_in_cpu %lld)\n",
-                   static_cast<long long>(disk_units), static_cast<long long>(kept_units),
-                   static_cast<long long>(kept), static_cast<long long>(opts_.param_swap->options().max_in_cpu));
-    }
+    log::info("offload_param nvme: {} units on disk, {} kept in host memory ({} elements per rank, max_in_cpu {})",
+              disk_units, kept_units, kept, opts_.param_swap->options().max_in_cpu);
   }
   // offload_optimizer nvme: the master weights go to each group's swap file as they are made, a
   // window at a time, never whole in host memory; the gradient shards are never made in host memory
@@ -287,23 +283,23 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
       steps_.back().offload_to(opts_.offload);
     }
   }
-  if (opts_.nvme && comm_.rank() == 0) {  // what the disk now holds for this rank, and what is left
+  if (opts_.nvme && log::enabled(log::Level::kInfo)) {  // what the disk now holds for rank 0, and what is left
     int64_t disk = opts_.param_swap ? opts_.param_swap->disk_bytes() : 0;
     for (const auto& s : steps_) disk += s.disk_bytes();
-    std::fprintf(stderr, "zeal: nvme: rank 0's swap files take %.2f GiB in %s; %.2f GiB free there now\n",
-                 static_cast<double>(disk) / (1 << 30), opts_.nvme->dir->path().c_str(),
-                 static_cast<double>(opts_.nvme->dir->free_bytes()) / (1 << 30));
+    log::info("nvme: rank 0's swap files take {:.2f} GiB in {}; {:.2f} GiB free there now",
+              static_cast<double>(disk) / (1 << 30), opts_.nvme->dir->path(),
+              static_cast<double>(opts_.nvme->dir->free_bytes()) / (1 << 30));
   }
   for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i)
     if (units_[i]->has_trainable()) reduce_order_.push_back(i);
 
   bool every_unit_persistent = units_.size() > 1;
   for (size_t i = 1; i < units_.size(); ++i) every_unit_persistent = every_unit_persistent && units_[i]->persistent();
-  if (every_unit_persistent && comm_.rank() == 0) {
-    std::cerr << fmt::format(
-        "zeal: stage 3: every unit has at most stage3_param_persistence_threshold ({}) elements, so every unit stays "
-        "gathered: this saves gradient and optimizer memory but no parameter memory; lower the threshold to shard them\n",
-        opts_.persistence_threshold);
+  if (every_unit_persistent) {
+    log::info("stage 3: every unit has at most stage3_param_persistence_threshold ({}) elements, so every unit stays "
+              "gathered: this saves gradient and optimizer memory but no parameter memory; lower the threshold to "
+              "shard them",
+              opts_.persistence_threshold);
   }
 
   // Gradient arrival, per trainable parameter; the hooks reach the unit only while Stage3 lives.
@@ -331,6 +327,11 @@ void Stage3::begin_micro_step(bool /*sync*/) {
 
 // Launches, in the fixed order, every reduction whose gradients are complete; at most two in flight
 // (their staging buffers are the memory this costs).
+void Stage3::gradients_complete(const Unit& u) {
+  completed_.push_back(u.index());
+  launch_ready_reductions();
+}
+
 void Stage3::launch_ready_reductions() {
   while (next_reduction_ < reduce_order_.size()) {
     Unit& u = *units_[reduce_order_[next_reduction_]];
@@ -339,6 +340,28 @@ void Stage3::launch_ready_reductions() {
     in_flight_.emplace_back(u.index(), u.reduce(false));
     if (in_flight_.size() > 2) complete_oldest_reduction();
   }
+}
+
+// After the first backward pass: its completion order becomes the reduction order. Every rank takes
+// rank 0's (one small broadcast, once), so the ranks launch the same collectives in the same order
+// even where their passes completed units differently; a unit that is not complete yet when its
+// turn comes only delays the ones after it.
+void Stage3::record_reduce_order() {
+  std::vector<int> mine = std::exchange(completed_, {});
+  if (order_recorded_) return;
+  order_recorded_ = true;
+  std::vector<int64_t> order(reduce_order_.size(), -1);
+  if (std::is_permutation(mine.begin(), mine.end(), reduce_order_.begin(), reduce_order_.end())) {
+    std::copy(mine.begin(), mine.end(), order.begin());
+  }
+  at::Tensor t = at::tensor(order, at::kLong);
+  if (comm_.world_size() > 1 || comm_.reduction_world() > 1) {
+    t = t.to(opts_.device);
+    comm_.broadcast(t, 0).wait();
+    t = t.cpu();
+  }
+  if (t[0].item<int64_t>() < 0) return;  // rank 0 saw an incomplete pass: keep the fixed order
+  for (size_t i = 0; i < reduce_order_.size(); ++i) reduce_order_[i] = static_cast<int>(t[i].item<int64_t>());
 }
 
 void Stage3::complete_oldest_reduction() {
@@ -361,11 +384,15 @@ void Stage3::end_of_backward() {
   // now; units whose gradients did not all come are complete with zeros for the rest.
   for (auto& u : units_) {
     while (u->state() == Unit::State::kInBackward) u->post_backward();
-    if (u->has_trainable() && u->grads() != Unit::Grads::kReduced) u->grads_ = Unit::Grads::kComplete;
+    if (u->has_trainable() && u->grads() != Unit::Grads::kReduced && u->grads() != Unit::Grads::kComplete) {
+      u->grads_ = Unit::Grads::kComplete;
+      completed_.push_back(u->index());
+    }
   }
   launch_ready_reductions();
   while (!in_flight_.empty()) complete_oldest_reduction();
   next_reduction_ = 0;
+  record_reduce_order();
   fetch_->end_training_pass();
   for (auto& u : units_) u->reset_backward();
   pass_ended_ = true;
@@ -386,6 +413,7 @@ void Stage3::abandon_backward() {
   }
   in_flight_.clear();
   next_reduction_ = 0;
+  completed_.clear();
   try {
     fetch_->wait_all();
   } catch (...) {

@@ -131,6 +131,7 @@ class Stage3 final : public Sharding {
   // Outside any backward: notices a backward that ended with an error.
   void check_abandoned_backward() { end_of_backward_.check(); }
   void launch_ready_reductions();
+  void gradients_complete(const Unit& u);  // a unit's gradients all arrived: noted, then launched in order
   // offload_optimizer nvme: the reduced gradients live in the optimizer's swap files, not in the units.
   bool gradients_swapped() const { return gradients_swapped_; }
   // Nobody holds the model any more (the engine goes with the last handle): the destructor need not
@@ -150,6 +151,7 @@ class Stage3 final : public Sharding {
   void end_of_backward();
   void abandon_backward();
   void complete_oldest_reduction();
+  void record_reduce_order();
 
   Stage3Options opts_;
   std::shared_ptr<Stage3Link> link_ = std::make_shared<Stage3Link>();
@@ -158,7 +160,12 @@ class Stage3 final : public Sharding {
   std::vector<ShardedBase*> modules_;
   std::unique_ptr<FetchCoordinator> fetch_;
   std::vector<ShardStep> steps_;  // one per optimizer group
-  std::vector<int> reduce_order_;  // units with trainable parameters, the last first, the root last
+  // Units with trainable parameters in the order their reductions are launched: the last first, the
+  // root last, until the first backward pass has recorded the order its units' gradients completed
+  // in (rank 0's, agreed by every rank), then that order.
+  std::vector<int> reduce_order_;
+  std::vector<int> completed_;  // this pass's units, in the order their gradients completed
+  bool order_recorded_ = false;
   size_t next_reduction_ = 0;
   std::deque<std::pair<int, Work>> in_flight_;
   EndOfBackward end_of_backward_;

@@ -9,7 +9,7 @@
 #include <fmt/format.h>
 
 #include "engine/error.h"
-#include "engine/memory_tracker.h"
+#include "engine/resident.h"
 #include "engine/zero/flat_params.h"
 #include "engine/zero/host_memory.h"
 #include "engine/zero/stage3.h"
@@ -230,7 +230,7 @@ void Unit::on_grad_ready(int i) {
   }
   grads_ = ++arrived_ == static_cast<int>(train_.params.size()) ? Grads::kComplete : Grads::kArriving;
   ZEAL_TRACE(grads_ == Grads::kComplete ? "gradients complete" : "gradient");
-  if (grads_ == Grads::kComplete) owner_.launch_ready_reductions();
+  if (grads_ == Grads::kComplete) owner_.gradients_complete(*this);
 }
 
 Work Unit::reduce(bool wait) {

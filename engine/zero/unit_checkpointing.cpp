@@ -1,4 +1,5 @@
 #include "engine/zero/unit_checkpointing.h"
+#include "engine/log.h"
 
 #include <cstdio>
 #include <memory>
@@ -44,19 +45,16 @@ int apply_activation_checkpointing(torch::nn::Module& model, const ActivationChe
   }
   if (main_process && config.enabled) {
     if (!units.empty()) {
-      std::fprintf(stderr, "zeal: activation checkpointing: %d of %zu Sharded units recompute their forward in the "
-                   "backward%s\n", on, units.size(),
-                   config.unit_interval > 1 ? fmt::format(" (unit_interval {})", config.unit_interval).c_str() : "");
+      log::info("activation checkpointing: {} of {} Sharded units recompute their forward in the backward{}", on,
+                units.size(), config.unit_interval > 1 ? fmt::format(" (unit_interval {})", config.unit_interval) : "");
     }
     if (units.empty()) {
-      std::fprintf(stderr,
-                   "zeal: activation_checkpointing is on, but the model has no zeal::Sharded member to checkpoint: "
-                   "hold its blocks as zeal::Sharded<Block>, or call zeal::checkpoint in its forward\n");
+      log::warning("activation_checkpointing is on, but the model has no zeal::Sharded member to checkpoint: hold its "
+                   "blocks as zeal::Sharded<Block>, or call zeal::checkpoint in its forward");
     }
     if (config.cpu_checkpointing && !device.is_cuda()) {
-      std::fprintf(stderr,
-                   "zeal: activation_checkpointing.cpu_checkpointing: these ranks compute on the CPU, so the "
-                   "checkpoints already live in host memory; nothing moves\n");
+      log::info("activation_checkpointing.cpu_checkpointing: these ranks compute on the CPU, so the checkpoints "
+                "already live in host memory; nothing moves");
     }
   }
   return on;

@@ -11,6 +11,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <iterator>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -95,6 +96,45 @@ void check_against_deepspeed(const std::string& type, const std::string& params)
 TEST(ScheduleGroups, WarmupLRGivesEveryGroupTheConfiguredRatesAsDeepSpeed) {
   check_against_deepspeed("WarmupLR",
                           R"({"warmup_min_lr": 1e-5, "warmup_max_lr": 5e-4, "warmup_num_steps": 6, "warmup_type": "linear"})");
+}
+
+// DeepSpeed's per-group form: a list of rates, one per parameter group (its _format_param).
+TEST(ScheduleGroups, WarmupLRAndWarmupDecayLRWithAListPerGroupAsDeepSpeed) {
+  check_against_deepspeed("WarmupLR", R"({"warmup_min_lr": [1e-5, 0.0], "warmup_max_lr": [5e-4, 2e-3],
+                                           "warmup_num_steps": 6, "warmup_type": "linear"})");
+  check_against_deepspeed("WarmupDecayLR", R"({"warmup_min_lr": 1e-6, "warmup_max_lr": [3e-4, 1e-3],
+                                                "warmup_num_steps": 4, "total_num_steps": 20, "warmup_type": "log"})");
+}
+
+// A list whose length is not the number of groups is refused at prepare, naming the key and both counts.
+TEST(ScheduleGroups, AListOfAnotherLengthThanTheGroupsIsRefused) {
+  const std::string out = (fs::temp_directory_path() / fmt::format("zeal_sched_err_{}", ::getpid())).string();
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Config c = zeal::Config::parse(
+            R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": [1e-3, 2e-3, 3e-3]}}})", "ds.json");
+        c.launch.use_cpu = true;
+        zeal::Engine engine(c, rt);
+        auto model = torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::Linear(4, 1));
+        std::vector<torch::optim::OptimizerParamGroup> groups;
+        for (size_t g = 0; g < 2; ++g) {
+          groups.emplace_back(model[g]->parameters(), std::make_unique<torch::optim::AdamWOptions>(kBase[g]));
+        }
+        torch::optim::AdamW opt(groups);
+        try {
+          (void)engine.prepare(model, opt);
+          std::ofstream(out) << "accepted";
+        } catch (const zeal::Error& e) {
+          std::ofstream(out) << e.what();
+        }
+      },
+      1);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+  std::ifstream f(out);
+  const std::string msg((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  fs::remove(out);
+  EXPECT_NE(msg.find("scheduler.params.warmup_max_lr (from file ds.json:"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("expected 2 values (one per parameter group of the optimizer), got 3"), std::string::npos) << msg;
 }
 
 TEST(ScheduleGroups, WarmupCosineLRScalesEachGroupsOwnRateAsDeepSpeed) {
