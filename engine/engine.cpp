@@ -27,9 +27,11 @@
 #include <fmt/ranges.h>
 
 #include "engine/comm/hybrid.h"
+#include "engine/comm/monitor.h"
 #include "engine/checkpoint/state_stream.h"
 #include "engine/engine_state.h"
 #include "engine/log.h"
+#include "engine/peft/slots.h"
 #include "engine/error.h"
 #include "engine/prepare_check.h"
 #include "engine/optim/loss_scale.h"
@@ -267,6 +269,12 @@ void Engine::make_hybrid_comm() {
     machine_of[r] = static_cast<int>(all[2 * r].item<int64_t>());
     local_of[r] = static_cast<int>(all[2 * r + 1].item<int64_t>());
   }
+  // The machines the rendezvous found (under Open MPI the node rank counts ranks within a machine,
+  // so there the hosts' order decides); the node ranks where it did not note them.
+  if (const std::vector<int> noted = detail::rank_machine_indices();
+      static_cast<int>(noted.size()) == world && std::find(noted.begin(), noted.end(), -1) == noted.end()) {
+    machine_of = noted;
+  }
   const HybridLayout l = hybrid_layout(rank, machine_of, local_of);
   if (l.replica.size() == 1) {
     log::info("hybrid_shard on one machine is full sharding");
@@ -279,8 +287,9 @@ void Engine::make_hybrid_comm() {
                             l.replica.size()));
   }
   const int dev = device_.is_cuda() && state_->cuda_backend == CudaBackend::kNccl ? device_.index() : -1;
-  Communicator& machine = runtime_->group_comm(fmt::format("machine{}", machine_of[rank]), l.machine, dev);
-  Communicator& replica = runtime_->group_comm(fmt::format("replica{}", local_of[rank]), l.replica, dev);
+  // Named by their members' first rank: unique, and the same name on every member.
+  Communicator& machine = runtime_->group_comm(fmt::format("machine-of-{}", l.machine.front()), l.machine, dev);
+  Communicator& replica = runtime_->group_comm(fmt::format("replica-of-{}", l.replica.front()), l.replica, dev);
   state_->replica_index = l.replica_index;
   state_->hybrid = make_hybrid_communicator(every, machine, replica, l);
   log::info("hybrid_shard: the ZeRO state is sharded across the {} ranks of each machine and replicated across the "
@@ -409,7 +418,7 @@ void Engine::check_memory_at_prepare() {
                     (config_.zero.stage == 3 && config_.zero.offload_param.device == OffloadDevice::kNvme);
   if (config_.memory_check == "off" && !nvme) return;
   const detail::PrepareMemory pm =
-      detail::predict_prepare_memory(*state_->module, state_->init_shards.get(), config_, runtime_->world_size(),
+      detail::predict_prepare_memory(*state_->module, state_->init_shards.get(), config_, shard_comm().world_size(),
                                      runtime_->local_world_size(), device_.is_cuda());
   if (nvme) {
     // A restarted attempt (zeal launch --max_restarts) first removes the swap files its killed
@@ -696,8 +705,9 @@ void Engine::make_config_schedules() {
   if (sc.type.empty()) return;
   // DeepSpeed's rule for a list (its _format_param): exactly one rate per parameter group.
   const size_t groups = state_->base_lrs.size();
+  const bool reads_rates = sc.type == "WarmupLR" || sc.type == "WarmupDecayLR";  // WarmupCosineLR scales instead
   for (const auto& [key, list] : {std::pair{"warmup_min_lr", &sc.warmup_min_lrs}, std::pair{"warmup_max_lr", &sc.warmup_max_lrs}}) {
-    if (!list->empty() && list->size() != groups) {
+    if (reads_rates && !list->empty() && list->size() != groups) {
       const std::string full = std::string("scheduler.params.") + key;
       const auto origin = config_.origins.find(full);
       throw Error(fmt::format("{} (from {}): expected {} values (one per parameter group of the optimizer), got {}",
@@ -733,7 +743,7 @@ void Engine::begin_micro_step() {
   }
   state_->backward_in_micro_step = false;
   ++state_->micro_steps_begun;
-  comm().set_progress(optimizer_steps_, state_->micro_steps_begun);
+  shard_comm().set_progress(optimizer_steps_, state_->micro_steps_begun);  // the hybrid one tells all three
   if (state_->zero) state_->zero->begin_micro_step(sync_);
 }
 
@@ -842,6 +852,7 @@ void Engine::step() {
     synchronize();
     step_start = std::chrono::steady_clock::now();
   }
+  if (optimizer_steps_ + skipped_steps_ == 0) check_adapters_ran();
   const double clip = config_.gradient_clipping.value;
   const std::vector<double> lrs = learning_rates();
   const auto r = state_->zero->step(inv_scale(), clip, lrs);
@@ -899,6 +910,26 @@ void Engine::sync_buffers() {
       at += b.numel();
     }
   }
+}
+
+// Before the first optimizer step: LoRA adapters that no forward of this step ran (their Linear's
+// weight used directly by its owner, never through Linear::forward) would train nothing, silently.
+// Every rank agrees (one all-reduce, only when the process has adapters), so all refuse together.
+void Engine::check_adapters_ran() {
+  if (peft::detail::live_slots() == 0 || !state_->module) return;
+  const std::vector<std::string> idle = peft::detail::adapters_not_run(*state_->module);
+  Communicator& c = comm();
+  at::Tensor n = at::full({1}, static_cast<int64_t>(idle.size()), at::TensorOptions().dtype(at::kLong).device(device_));
+  if (c.world_size() > 1) c.all_reduce(n, ReduceOp::kMax).wait();
+  if (n.item<int64_t>() == 0) return;
+  if (idle.empty()) throw Error("the LoRA adapters of some layers did not run on another rank (see its error)");
+  throw Error(fmt::format("the LoRA adapters of {} adapted layer{} did not run in the first step's forward passes: "
+                          "{}{}. Their module multiplies by the Linear's weight itself instead of calling it (as "
+                          "torch::nn::MultiheadAttention does with out_proj), so the adapters would never train; "
+                          "leave these layers out of target_modules",
+                          idle.size(), idle.size() == 1 ? "" : "s",
+                          fmt::join(idle.begin(), idle.begin() + std::min<size_t>(idle.size(), 8), ", "),
+                          idle.size() > 8 ? ", ..." : ""));
 }
 
 // DeepSpeed's steps_per_print: every that many steps (taken or skipped), rank 0 prints the step, the

@@ -479,6 +479,7 @@ class Engine {
   // The communicator the ZeRO state is sharded over: comm(), or with hybrid_shard the machine's
   // ranks, replicated across machines (engine/comm/hybrid.h).
   Communicator& shard_comm();
+  void check_adapters_ran();
   void make_hybrid_comm();
   // engine.init's context: open while the model is built.
   class InitScope {

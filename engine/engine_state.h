@@ -30,6 +30,11 @@ void remember_prepared(const torch::nn::Module* module, Engine* engine);
 struct Engine::State {
   // Objects a helper prepared and handed over (engine.keep_alive): first, so they go last.
   std::vector<std::shared_ptr<void>> kept;
+  // hybrid_shard across machines: the sharding's communicator (declared before the sharding, so it
+  // outlives it) and this rank's machine among the replicas of its shard (only machine 0's ranks
+  // write the state to checkpoints).
+  std::unique_ptr<Communicator> hybrid;
+  int replica_index = 0;
   std::shared_ptr<torch::nn::Module> module;
   torch::optim::Optimizer* torch_optimizer = nullptr;
   std::unique_ptr<zero::Sharding> zero;
@@ -59,10 +64,6 @@ struct Engine::State {
   bool init_done = false;
   const torch::nn::Module* init_module = nullptr;  // the model engine.init built (load_pretrained finds us by it)
   CudaBackend cuda_backend = CudaBackend::kNccl;  // which communicator carries CUDA tensors
-  // hybrid_shard across machines: the sharding's communicator and this rank's machine among the
-  // replicas of its shard (only machine 0's ranks write the state to checkpoints).
-  std::unique_ptr<Communicator> hybrid;
-  int replica_index = 0;
   std::shared_ptr<offload::HostArena> offload;     // offload_optimizer.device cpu or nvme
   std::shared_ptr<zero::NvmeOffload> nvme;         // offload_optimizer.device nvme
   std::shared_ptr<zero::ParamSwap> param_swap;     // offload_param.device nvme

@@ -21,8 +21,15 @@ std::string lower(const char* s) {
   return out;
 }
 
+// Before the runtime read the environment (a message from a program without one): read it here,
+// never throwing from a log call (an unknown value is the runtime's error to raise).
 int level() {
-  if (g_level.load() < 0) read_environment();
+  if (g_level.load() < 0) {
+    try {
+      read_environment();
+    } catch (...) {
+    }
+  }
   return g_level.load();
 }
 

@@ -247,7 +247,9 @@ int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string
     try {
       HfWeights w{fs::path(path)};
       std::unordered_set<const void*> seen;
-      const int64_t rank = process_index();
+      // The rank the slices were cut for: its place among the ranks the state is sharded over (with
+      // hybrid_shard, its machine's).
+      const int64_t rank = shard_comm().rank();
       for (const auto& item : model.named_parameters(true)) {
         if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
         const std::string f = map(item.key());

@@ -106,7 +106,13 @@ class HybridCommunicator final : public Communicator {
     machine_.set_progress(step, micro_step);
     replica_.set_progress(step, micro_step);
   }
-  void check_agreement(const std::string& where) override { every_.check_agreement(where); }
+  // Every rank checks the three in the same order (through the store: no collective to pair): ranks
+  // that issued different collectives inside their machine or across machines are caught as well.
+  void check_agreement(const std::string& where) override {
+    every_.check_agreement(where);
+    machine_.check_agreement(where);
+    if (replica_.world_size() > 1) replica_.check_agreement(where);
+  }
   void set_timeout(double seconds) override {
     every_.set_timeout(seconds);
     machine_.set_timeout(seconds);

@@ -66,6 +66,11 @@ void note_rank_machines(std::vector<int> node_of_rank, std::vector<std::string> 
   m.node = std::move(node_of_rank);
   m.host = std::move(host_of_rank);
 }
+std::vector<int> rank_machine_indices() {
+  auto& m = rank_machines();
+  std::lock_guard<std::mutex> lock(m.mu);
+  return m.node;
+}
 const std::string& store_host() { return store_host_name(); }
 
 void run_bounded(const std::function<void()>& op, std::chrono::milliseconds deadline, const std::string& what,

@@ -120,6 +120,8 @@ const std::string& store_host();
 // The machine (launcher's node rank) and host name of every rank, as the rendezvous learned them:
 // a report then says when every rank of another machine stopped answering. Empty: unknown.
 void note_rank_machines(std::vector<int> node_of_rank, std::vector<std::string> host_of_rank);
+// The machine of every rank as noted (empty when not known: one rank, or before the rendezvous).
+std::vector<int> rank_machine_indices();
 
 // "float32", "bfloat16", … for a c10 scalar type name.
 std::string dtype_name(const std::string& c10_name);

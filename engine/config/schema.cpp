@@ -236,7 +236,7 @@ const FloatRange kUnit{0.0, 1.0, false, false};
 template <class GetScalar, class GetList>
 Field rate_or_list(std::string key, GetScalar scalar, GetList list, std::string doc) {
   Field f = auto_float(key, scalar, kNonNegative, std::move(doc) + "; a list: one per parameter group");
-  f.type = "float, auto or a list of floats";
+  f.type = "float | auto | list of floats";
   auto parse_scalar = f.parse;
   auto print_scalar = f.print;
   f.parse = [parse_scalar, scalar, list](Config& c, const YAML::Node& n) {
@@ -455,7 +455,8 @@ std::vector<Field> make_fields() {
                  return "[" + join(q, ", ") + "]";
                }});
   f.push_back(bool_field("zero_optimization.hybrid_shard", ZEAL_GET(zero.hybrid_shard),
-                         "Shard inside each machine, replicate across machines (HYBRID_SHARD)"));
+                         "Shard inside each machine, replicate across machines (HYBRID_SHARD; stages 2 and 3, the "
+                         "same number of ranks on every machine, at least 2)"));
   // Asynchronous I/O for nvme offload.
   f.push_back(auto_field<int64_t>(
       "aio.block_size", "int, multiple of 4096", ZEAL_GET(aio.block_size),

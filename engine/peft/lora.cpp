@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/nn/init.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 
@@ -94,6 +95,16 @@ bool has_slot(const torch::nn::Module* linear) {
   std::lock_guard<std::mutex> lock(slots_mu);
   auto it = slots.find(linear);
   return it != slots.end() && it->second.owner.lock().get() == linear;
+}
+
+std::vector<std::string> adapters_not_run(const torch::nn::Module& root) {
+  std::vector<std::string> out;
+  if (live_slots() == 0) return out;
+  for (const auto& item : root.named_modules("", false)) {
+    Slot slot;
+    if (find_slot(item.value().get(), &slot) && slot.runs->load(std::memory_order_relaxed) == 0) out.push_back(item.key());
+  }
+  return out;
 }
 }  // namespace detail
 
@@ -410,6 +421,14 @@ PeftModel get_peft_model(std::shared_ptr<torch::nn::Module> model, const LoraCon
   std::vector<Target> targets;
   std::unordered_set<const torch::nn::Module*> seen;
   std::vector<std::string> linear_paths;
+  // Linear modules whose owner multiplies by their weight itself, never calling Linear::forward:
+  // adapters there would never run. torch::nn::MultiheadAttention's out_proj is the one LibTorch has.
+  std::unordered_map<const torch::nn::Module*, std::string> bypassed;
+  for (const auto& item : model->named_modules(std::string(), true)) {
+    if (auto mha = std::dynamic_pointer_cast<torch::nn::MultiheadAttentionImpl>(item.value())) {
+      if (mha->out_proj) bypassed[mha->out_proj.get()] = "torch::nn::MultiheadAttention";
+    }
+  }
   for (const auto& item : model->named_modules("", false)) {
     const std::string path = hf(item.key());
     if (ends_with(path, ".lora_A") || ends_with(path, ".lora_B")) continue;
@@ -425,6 +444,18 @@ PeftModel get_peft_model(std::shared_ptr<torch::nn::Module> model, const LoraCon
                               path, item.value()->name()));
     }
     if (!seen.insert(lin.get()).second) continue;
+    if (auto by = bypassed.find(lin.get()); by != bypassed.end()) {
+      if (all_linear) {
+        log::info("get_peft_model: all-linear leaves out '{}': its {} multiplies by its weight directly, so adapters "
+                  "there would never run",
+                  path, by->second);
+        continue;
+      }
+      throw Error(fmt::format("get_peft_model: '{}' is the out_proj of a {}, which multiplies by its weight directly "
+                              "instead of calling Linear::forward: adapters there would never run; leave it out "
+                              "(exclude_modules) or adapt Linear modules the model calls",
+                              path, by->second));
+    }
     if (detail::has_slot(lin.get())) throw Error(fmt::format("get_peft_model: '{}' has adapters already", path));
     targets.push_back({path, lin});
   }

@@ -4,7 +4,10 @@
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 
+#include <atomic>
 #include <memory>
+#include <string>
+#include <vector>
 
 namespace zeal::peft::detail {
 
@@ -14,6 +17,8 @@ struct Slot {
   std::shared_ptr<torch::nn::DropoutImpl> dropout;  // null when lora_dropout is 0
   double scaling = 1;
   bool active = true;
+  // Forwards with gradients enabled that ran the adapters (shared by the slot's copies).
+  std::shared_ptr<std::atomic<int64_t>> runs = std::make_shared<std::atomic<int64_t>>(0);
 };
 
 // How many active slots exist (0: every Linear takes LibTorch's path without a lookup).
@@ -24,5 +29,8 @@ void add_slot(const torch::nn::Module* linear, Slot slot);
 void set_active(const torch::nn::Module* linear, bool active);
 void remove_slot(const torch::nn::Module* linear);
 bool has_slot(const torch::nn::Module* linear);
+// The paths (under `root`) of adapted Linear modules whose active adapters have not run in a forward
+// with gradients enabled: a module that multiplies by the Linear's weight itself bypasses them.
+std::vector<std::string> adapters_not_run(const torch::nn::Module& root);
 
 }  // namespace zeal::peft::detail

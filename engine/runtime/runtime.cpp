@@ -456,7 +456,7 @@ Communicator& Runtime::group_comm(const std::string& name, const std::vector<int
     }
   }
   const int index = static_cast<int>(me - ranks.begin()), size = static_cast<int>(ranks.size());
-  auto store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("zeal/group/{}/", name), impl_->store);
+  auto store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("zeal/group/{}/", key), impl_->store);
   std::unique_ptr<Communicator> c =
       cuda_device >= 0
           ? detail::make_nccl_communicator(store, index, size, cuda_device, impl_->timeout,

@@ -384,10 +384,12 @@ void Stage3::end_of_backward() {
   // now; units whose gradients did not all come are complete with zeros for the rest.
   for (auto& u : units_) {
     while (u->state() == Unit::State::kInBackward) u->post_backward();
-    if (u->has_trainable() && u->grads() != Unit::Grads::kReduced && u->grads() != Unit::Grads::kComplete) {
-      u->grads_ = Unit::Grads::kComplete;
-      completed_.push_back(u->index());
-    }
+    if (u->has_trainable() && u->grads() != Unit::Grads::kReduced) u->grads_ = Unit::Grads::kComplete;
+  }
+  // Units completed only now (no gradient came through their hooks) keep their place in the order
+  // reductions use now (the last first, the root last), after those the pass completed.
+  for (int i : reduce_order_) {
+    if (std::find(completed_.begin(), completed_.end(), i) == completed_.end()) completed_.push_back(i);
   }
   launch_ready_reductions();
   while (!in_flight_.empty()) complete_oldest_reduction();

@@ -78,6 +78,7 @@ struct RunSpec {
   // zero_optimization.hybrid_shard, and the ranks of each simulated machine (0: one machine).
   bool hybrid = false;
   int ranks_per_machine = 0;
+  std::string comm_dtype;  // communication_data_type (empty: the default, fp32)
 };
 
 inline TinyGptOptions model_options() { return {}; }
@@ -183,6 +184,7 @@ inline zeal::Config make_config(const RunSpec& s) {
   c.activation_checkpointing.unit_interval = s.checkpoint_interval;
   c.activation_checkpointing.cpu_checkpointing = s.cpu_checkpointing;
   c.zero.hybrid_shard = s.hybrid;
+  c.communication_data_type = s.comm_dtype;
   return c;
 }
 

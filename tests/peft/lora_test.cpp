@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/transformerlayer.h>
 #include <torch/optim/adamw.h>
 
 #include <cmath>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -205,6 +207,112 @@ TEST(Lora, AdaptedForwardEqualsFloat64BasePlusScaledBA) {
   EXPECT_FALSE(lin->named_children().contains("lora_A"));
   EXPECT_LT((lin->weight.to(at::kDouble) - merged_w).abs().max().item<double>(), 1e-6);
   EXPECT_LT((lin(x) - adapted).abs().max().item<double>(), 1e-5);
+}
+
+// LibTorch's own modules: TransformerEncoderLayer calls its Linear layers through Linear::forward,
+// so their adapters act and train; MultiheadAttention multiplies by its out_proj's weight directly,
+// so adapting out_proj is refused and all-linear leaves it out.
+TEST(Lora, TransformerEncoderLayerAdaptersRunAndAttentionsOutProjIsRefused) {
+  zeal_test::seed(3);
+  auto build = [] {
+    auto root = std::make_shared<torch::nn::Module>();
+    root->register_module("layer", torch::nn::TransformerEncoderLayer(
+                                       torch::nn::TransformerEncoderLayerOptions(16, 4).dim_feedforward(32).dropout(0.0)));
+    return root;
+  };
+  auto root = build();
+  auto layer = root->named_children()["layer"];
+  auto run = [&](const at::Tensor& x) { return layer->as<torch::nn::TransformerEncoderLayerImpl>()->forward(x); };
+  const at::Tensor x = at::randn({5, 2, 16});
+  const at::Tensor before = run(x).detach().clone();
+  zeal::peft::LoraConfig lc;
+  lc.r = 2;
+  lc.target_modules = {"linear1", "linear2"};
+  auto peft = zeal::peft::get_peft_model(root, lc);
+  EXPECT_EQ(peft.adapted_modules(), (std::vector<std::string>{"layer.linear1", "layer.linear2"}));
+  EXPECT_TRUE(at::equal(run(x), before)) << "B starts at zero";
+  std::vector<at::Tensor> adapters;
+  for (const auto& item : root->named_parameters()) {
+    if (item.key().find("lora_") != std::string::npos) adapters.push_back(item.value());
+  }
+  ASSERT_EQ(adapters.size(), 4u);
+  {
+    c10::NoGradGuard ng;
+    for (auto& p : adapters) p.normal_();
+  }
+  EXPECT_GT((run(x) - before).abs().max().item<double>(), 1e-3) << "the adapters change the layer's output";
+  run(x).pow(2).sum().backward();
+  for (auto& p : adapters) {
+    ASSERT_TRUE(p.grad().defined());
+    EXPECT_GT(p.grad().abs().max().item<double>(), 0.0);
+  }
+
+  zeal::peft::LoraConfig out_proj = lc;
+  out_proj.target_modules = {"out_proj"};
+  try {
+    (void)zeal::peft::get_peft_model(build(), out_proj);
+    ADD_FAILURE() << "adapting MultiheadAttention's out_proj was accepted";
+  } catch (const zeal::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'layer.self_attn.out_proj' is the out_proj of a torch::nn::MultiheadAttention"),
+              std::string::npos)
+        << e.what();
+  }
+  zeal::peft::LoraConfig all = lc;
+  all.target_modules = {"all-linear"};
+  EXPECT_EQ(zeal::peft::get_peft_model(build(), all).adapted_modules(),
+            (std::vector<std::string>{"layer.linear1", "layer.linear2"}));
+}
+
+// A module that multiplies by an adapted Linear's weight itself never runs the adapters: the
+// engine's first optimizer step refuses, on every rank, naming the layer (not a silent no-op).
+struct BypassImpl : torch::nn::Module {
+  BypassImpl() {
+    used = register_module("used", torch::nn::Linear(6, 6));
+    direct = register_module("direct", torch::nn::Linear(6, 6));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return used(torch::nn::functional::linear(x, direct->weight, direct->bias));  // `direct` bypassed
+  }
+  torch::nn::Linear used{nullptr}, direct{nullptr};
+};
+TORCH_MODULE(Bypass);
+
+TEST(Lora, AdaptersThatNeverRunAreRefusedAtTheFirstStepOnEveryRank) {
+  for (const auto& [targets, want] :
+       {std::pair{std::vector<std::string>{"used", "direct"}, std::string("the LoRA adapters of 1 adapted layer did not "
+                                                                           "run in the first step's forward passes: direct.")},
+        std::pair{std::vector<std::string>{"used"}, std::string("accepted")}}) {
+    const std::string dir =
+        (std::filesystem::temp_directory_path() / ("zeal_bypass_" + std::to_string(::getpid()))).string();
+    std::filesystem::create_directories(dir);
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Engine engine(config_for(3, false), rt);
+          Bypass model;
+          zeal::peft::LoraConfig lc;
+          lc.r = 2;
+          lc.target_modules = targets;
+          auto peft = zeal::peft::get_peft_model(model.ptr(), lc);
+          torch::optim::AdamW opt(peft.trainable_parameters(), torch::optim::AdamWOptions(1e-2));
+          auto [m, o] = engine.prepare(model, opt);
+          std::string msg = "accepted";
+          try {
+            engine.backward(m->forward(at::randn({4, 6})).pow(2).sum());
+            o.step();
+          } catch (const zeal::Error& e) {
+            msg = e.what();
+          }
+          std::ofstream(dir + "/" + std::to_string(rt.rank())) << msg;
+        },
+        2);
+    ASSERT_EQ(zeal::describe_failures(results), "");
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream f(dir + "/" + std::to_string(r));
+      const std::string msg((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      EXPECT_EQ(msg.rfind(want, 0), 0u) << "rank " << r << ": " << msg;
+    }
+    std::filesystem::remove_all(dir);
+  }
 }
 
 TEST(Lora, DropoutActsOnTheAdapterPathOnlyInTraining) {
