@@ -557,14 +557,25 @@ void Stage3::release_units(const std::vector<int>& units, int modifier_rank) {
     if (modifier_rank >= 0) {
       CollectiveLabel label(comm_, fmt::format("{}, gathered modified by rank {}", u.name(), modifier_rank));
       u.load_shards();  // offload_param nvme: the shards the new values go into
+      bool trainable_changed = false;
       for (Unit::Part* part : {&u.train_, &u.frozen_}) {
         if (!part->layout) continue;
         if (comm_.world_size() > 1) comm_.broadcast(part->full, modifier_rank).wait();
         const FlatLayout& l = *part->layout;
-        part->shard.copy_(part->full.narrow(0, l.shard_begin(comm_.rank()), l.shard_size()));
+        const at::Tensor fresh = part->full.narrow(0, l.shard_begin(comm_.rank()), l.shard_size());
+        if (part == &u.train_ && !u.master_pieces_.empty()) trainable_changed = !at::equal(fresh, part->shard);
+        part->shard.copy_(fresh);
       }
-      // The master weights of the unit's trainable parameters take the new values too.
-      for (const auto& [g, k] : u.master_pieces_) steps_[g].refresh_master(k);
+      // The master weights of the unit's trainable parameters take the new values too, when they
+      // changed on any rank (merging LoRA adapters changes only the frozen weights beside them, so it
+      // works with the master weights on nvme, where they cannot be changed from outside the step).
+      if (!u.master_pieces_.empty() && comm_.world_size() > 1) {
+        at::Tensor flag = at::full({1}, trainable_changed ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(opts_.device));
+        comm_.all_reduce(flag, ReduceOp::kMax).wait();
+        trainable_changed = flag.item<int>() != 0;
+      }
+      if (trainable_changed)
+        for (const auto& [g, k] : u.master_pieces_) steps_[g].refresh_master(k);
       if (u.shards_on_disk()) {
         u.store_shards(/*trainable_only=*/false);
         u.drop_shards();

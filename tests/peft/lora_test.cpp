@@ -94,8 +94,18 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error("check failed: " + what);
 }
 
-zeal::Config config_for(int stage, bool init = false, bool checkpointing = false) {
+// offload: "" (none), "cpu", or an nvme_path (optimizer state and parameters on nvme, stage 3).
+zeal::Config config_for(int stage, bool init = false, bool checkpointing = false, const std::string& offload = "") {
   zeal::Config c = zeal_test::test_config();
+  if (offload == "cpu") {
+    c.zero.offload_optimizer.device = zeal::OffloadDevice::kCpu;
+  } else if (!offload.empty()) {
+    c.zero.offload_optimizer.device = zeal::OffloadDevice::kNvme;
+    c.zero.offload_optimizer.nvme_path = offload;
+    c.zero.offload_param.device = zeal::OffloadDevice::kNvme;
+    c.zero.offload_param.nvme_path = offload;
+    c.zero.offload_param.max_in_cpu = 0;
+  }
   c.activation_checkpointing.enabled = checkpointing;
   c.zero.stage = stage;
   c.gradient_clipping = {0.0, false};
@@ -126,11 +136,12 @@ zeal::peft::LoraConfig lora_config() {
 
 // Trains the adapted tiny BERT on `world` ranks at `stage`; leaves adapter/, merged/ and the
 // initial base weights (init.safetensors, through save_merged before training) in `dir`.
-void train_lora(int stage, int world, const std::string& dir, bool init, int steps = 4, bool checkpointing = false) {
+void train_lora(int stage, int world, const std::string& dir, bool init, int steps = 4, bool checkpointing = false,
+                const std::string& offload = "") {
   const int64_t global = 6, seq = 8, labels = 3;
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
-        zeal::Engine engine(config_for(stage, init, checkpointing), rt);
+        zeal::Engine engine(config_for(stage, init, checkpointing, offload), rt);
         zeal_test::seed(5);
         auto model = init ? engine.init<BertForSequenceClassification>(tiny_bert(), labels)
                           : BertForSequenceClassification(tiny_bert(), labels);
@@ -452,15 +463,21 @@ TEST(Lora, EveryStageAndWorldSizeTrainsTheSameAdapters) {
   struct Run {
     int stage, world;
     bool init;
+    std::string offload = "";  // "cpu" or "nvme"
   };
   // Every stage on 1, 2 and 3 ranks (stage 0 on 1 rank is the reference), stage 3 also built
-  // partitioned by engine.init.
+  // partitioned by engine.init, and merged with the optimizer state offloaded to the CPU and with it
+  // and the parameters on nvme.
   for (const Run& run : {Run{0, 2, false}, Run{0, 3, false}, Run{1, 1, false}, Run{1, 2, false}, Run{1, 3, false},
                          Run{2, 1, false}, Run{2, 2, false}, Run{2, 3, false}, Run{3, 1, false}, Run{3, 2, false},
-                         Run{3, 3, false}, Run{3, 3, true}}) {
-    SCOPED_TRACE("stage " + std::to_string(run.stage) + ", " + std::to_string(run.world) + " ranks" + (run.init ? ", engine.init" : ""));
-    const std::string dir = root + "/s" + std::to_string(run.stage) + "w" + std::to_string(run.world) + (run.init ? "i" : "");
-    train_lora(run.stage, run.world, dir, run.init);
+                         Run{3, 3, false}, Run{3, 3, true}, Run{2, 2, false, "cpu"}, Run{3, 2, false, "cpu"},
+                         Run{3, 2, false, "nvme"}}) {
+    SCOPED_TRACE("stage " + std::to_string(run.stage) + ", " + std::to_string(run.world) + " ranks" +
+                 (run.init ? ", engine.init" : "") + (run.offload.empty() ? "" : ", offload " + run.offload));
+    const std::string dir = root + "/s" + std::to_string(run.stage) + "w" + std::to_string(run.world) +
+                            (run.init ? "i" : "") + run.offload;
+    fs::create_directories(dir + "/swap");
+    train_lora(run.stage, run.world, dir, run.init, 4, false, run.offload == "nvme" ? dir + "/swap" : run.offload);
     const StFile got = read_st(dir + "/adapter/adapter_model.safetensors");
     int64_t bytes = 0;
     for (const auto& [k, t] : got.tensors) bytes += t.numel() * 4;
