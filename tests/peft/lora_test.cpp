@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/functional/linear.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/transformerlayer.h>
 #include <torch/optim/adamw.h>
@@ -324,6 +325,21 @@ TEST(Lora, AdaptersThatNeverRunAreRefusedAtTheFirstStepOnEveryRank) {
     }
     std::filesystem::remove_all(dir);
   }
+}
+
+// clone() of an adapted model is refused (LibTorch's Cloneable finds the adapter modules that
+// reset() does not make), so no copy runs without its adapters; the original runs as before.
+TEST(Lora, ACloneOfAnAdaptedModelIsRefused) {
+  zeal_test::seed(4);
+  torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::Linear(4, 2));
+  zeal::peft::LoraConfig lc;
+  lc.r = 2;
+  lc.target_modules = {"0"};
+  auto peft = zeal::peft::get_peft_model(seq.ptr(), lc);
+  const at::Tensor x = at::randn({3, 4});
+  const at::Tensor y = seq->forward(x);
+  EXPECT_THROW((void)seq->clone(), c10::Error);
+  EXPECT_TRUE(at::equal(seq->forward(x), y)) << "the original is unaffected";
 }
 
 TEST(Lora, DropoutActsOnTheAdapterPathOnlyInTraining) {
