@@ -31,6 +31,7 @@
 #include "engine/checkpoint/state_stream.h"
 #include "engine/engine_state.h"
 #include "engine/log.h"
+#include "engine/wait_clock.h"
 #include "engine/peft/slots.h"
 #include "engine/error.h"
 #include "engine/prepare_check.h"
@@ -700,6 +701,7 @@ void Engine::make_config_schedules() {
   // wall_clock_breakdown's first mark: the end of prepare (the first forward is timed from here).
   state_->wall.mark = std::chrono::steady_clock::now();
   state_->wall.marked = true;
+  (void)detail::take_waits();  // the waits of training start here too
   state_->config_schedules.clear();
   const auto& sc = config_.scheduler;
   if (sc.type.empty()) return;
@@ -948,8 +950,12 @@ void Engine::report_progress(const std::vector<double>& lrs) {
   auto& w = state_->wall;
   if (config_.wall_clock_breakdown && w.steps > 0) {
     const double n = static_cast<double>(w.steps);
-    log::info("time (ms) per step, mean of {} | forward: {:.2f} | backward: {:.2f} | step: {:.2f}", w.steps,
-              w.forward / n, w.backward / n, w.step / n);
+    // Inside those: what the training thread spent blocked on collectives and on offloaded state.
+    const auto waited = detail::take_waits();
+    log::info("time (ms) per step, mean of {} | forward: {:.2f} | backward: {:.2f} | step: {:.2f} | waiting for "
+              "reductions: {:.2f} | gathers: {:.2f} | reads: {:.2f} | writes: {:.2f}",
+              w.steps, w.forward / n, w.backward / n, w.step / n, waited[0] * 1e3 / n, waited[1] * 1e3 / n,
+              waited[2] * 1e3 / n, waited[3] * 1e3 / n);
   }
   w.forward = w.backward = w.step = 0;
   w.steps = 0;

@@ -300,7 +300,7 @@ std::vector<Field> make_fields() {
   f.push_back(int_field("steps_per_print", ZEAL_GET(steps_per_print), 1, kMaxInt,
                         "Rank 0 prints DeepSpeed's progress line (step, skipped, lr, grad_norm) every this many steps"));
   f.push_back(bool_field("wall_clock_breakdown", ZEAL_GET(wall_clock_breakdown),
-                         "Rank 0 prints forward/backward/step milliseconds with each steps_per_print line"));
+                         "Rank 0 prints forward/backward/step milliseconds and the time blocked on reductions, gathers, reads and writes with each steps_per_print line"));
   f.push_back(bool_field("broadcast_buffers", ZEAL_GET(broadcast_buffers),
                          "After every optimizer step the model's buffers take rank 0's values (DDP's broadcast_buffers)"));
   f.push_back(enum_field("memory_check", ZEAL_GET(memory_check), {"warn", "error", "off"},

@@ -1,4 +1,5 @@
 #include "engine/zero/flat_group.h"
+#include "engine/wait_clock.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -257,7 +258,10 @@ void FlatGroup::launch(int b) {
 void FlatGroup::complete_oldest() {
   InFlight f = std::move(in_flight_.front());
   in_flight_.erase(in_flight_.begin());
-  f.work.wait();
+  {
+    detail::ScopedWait waiting(detail::WaitKind::kReduction);
+    f.work.wait();
+  }
   Bucket& k = buckets_[f.bucket];
   c10::NoGradGuard no_grad;
   if (opts_.stage < 2) {
@@ -364,6 +368,7 @@ void FlatGroup::apply_step(double lr, double inv_scale) {
       const Bucket& k = buckets_[b];
       gathers.push_back(comm_.all_gather(owned_view(param_flat_, b), param_flat_.narrow(0, k.offset, k.layout.padded_total())));
     }
+    detail::ScopedWait waiting(detail::WaitKind::kGather);
     for (auto& w : gathers) w.wait();
   }
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "engine/error.h"
+#include "engine/wait_clock.h"
 #include "engine/zero/host_memory.h"
 
 namespace zeal::zero {
@@ -84,6 +85,7 @@ void ParamSwap::finish(Reading& r) {
   r.done = {};
   --in_flight_;
   in_flight_elems_ -= r.elems;
+  detail::ScopedWait waiting(detail::WaitKind::kRead);
   done.get();  // rethrows the reader's IoError
 }
 
@@ -100,11 +102,13 @@ void ParamSwap::store(const at::Tensor& t, int64_t offset) {
     // bytes zero, so it goes to disk as it is.
     ZEAL_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % offload::kIoAlign == 0)
         << "a parameter shard stored from storage that is not mapped";
+    detail::ScopedWait waiting(detail::WaitKind::kWrite);
     file_.write(t.data_ptr(), round_up(bytes, offload::kIoAlign), offset);
     return;
   }
   offload::AlignedBuffer buf(bytes);  // whole 4 KiB blocks, the tail zero
   at::from_blob(buf.data(), {t.numel()}, t.options().device(at::kCPU)).copy_(t);
+  detail::ScopedWait waiting(detail::WaitKind::kWrite);
   file_.write(buf.data(), buf.size(), offset);
 }
 
@@ -113,11 +117,15 @@ void ParamSwap::load(const at::Tensor& t, int64_t offset) {
   if (t.device().is_cpu()) {
     free_storage(t);
     alloc_storage_mapped(t);  // page-aligned whole pages: read straight into the shard
+    detail::ScopedWait waiting(detail::WaitKind::kRead);
     file_.read(t.data_ptr(), round_up(bytes, offload::kIoAlign), offset);
     return;
   }
   offload::AlignedBuffer buf(bytes);
-  file_.read(buf.data(), buf.size(), offset);
+  {
+    detail::ScopedWait waiting(detail::WaitKind::kRead);
+    file_.read(buf.data(), buf.size(), offset);
+  }
   alloc_storage(t);
   t.copy_(at::from_blob(buf.data(), {t.numel()}, t.options().device(at::kCPU)));
 }

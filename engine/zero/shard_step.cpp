@@ -10,6 +10,7 @@
 #include <future>
 
 #include "engine/error.h"
+#include "engine/wait_clock.h"
 #include "engine/optim/cuda_stream.h"
 #include "engine/zero/offload_state.h"
 #ifdef ZEAL_HAVE_CUDA
@@ -365,8 +366,14 @@ void ShardStep::apply_nvme(double inv_scale) {
     // One optimizer step over all windows: the step count advances with the first.
     optimizer_->fused_update(total_, at::kCPU, segments, scale, /*new_step=*/a == 0);
     for (const Back& b : back) b.piece->out.narrow(0, b.lo - b.piece->offset, b.n).copy_(host_out_.narrow(0, b.lo - a, b.n));
-    if (writing.valid()) writing.get();  // rethrows an I/O error
-    if (reading.valid()) reading.get();
+    if (writing.valid()) {
+      detail::ScopedWait waiting(detail::WaitKind::kWrite);
+      writing.get();  // rethrows an I/O error
+    }
+    if (reading.valid()) {
+      detail::ScopedWait waiting(detail::WaitKind::kRead);
+      reading.get();
+    }
     if (hooks_.leave) {
       for (const Back& b : back)
         if (b.lo + b.n == b.piece->offset + b.piece->grad.numel()) hooks_.leave(static_cast<size_t>(b.piece - pieces_.data()));

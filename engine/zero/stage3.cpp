@@ -1,4 +1,5 @@
 #include "engine/zero/stage3.h"
+#include "engine/wait_clock.h"
 #include "engine/log.h"
 
 #include <ATen/ATen.h>
@@ -367,7 +368,10 @@ void Stage3::record_reduce_order() {
 void Stage3::complete_oldest_reduction() {
   auto [index, work] = std::move(in_flight_.front());
   in_flight_.pop_front();
-  work.wait();
+  {
+    detail::ScopedWait waiting(detail::WaitKind::kReduction);
+    work.wait();
+  }
   units_[index]->finish_reduction();
 }
 

@@ -10,6 +10,7 @@
 
 #include "engine/error.h"
 #include "engine/resident.h"
+#include "engine/wait_clock.h"
 #include "engine/zero/flat_params.h"
 #include "engine/zero/host_memory.h"
 #include "engine/zero/stage3.h"
@@ -97,7 +98,10 @@ void Unit::wait_gather() {
     if (state_ == State::kGathering) state_ = State::kGathered;
     return;
   }
-  for (auto& w : pending_) w.wait();
+  {
+    detail::ScopedWait waiting(detail::WaitKind::kGather);
+    for (auto& w : pending_) w.wait();
+  }
   pending_.clear();
   drop_shards();  // the all-gathers read them
   if (state_ == State::kGathering) state_ = State::kGathered;
@@ -254,7 +258,10 @@ Work Unit::reduce(bool wait) {
   }
   ZEAL_TRACE("reduce-scatter launched");
   if (wait) {
-    w.wait();
+    {
+      detail::ScopedWait waiting(detail::WaitKind::kReduction);
+      w.wait();
+    }
     finish_reduction();
     return {};
   }

@@ -30,8 +30,14 @@ rm -f "$wire"
 grep -q 'zeal: gradients accumulate in fp32 and are reduced across ranks in bf16$' <<<"$said" ||
   { echo "FAIL: communication_data_type bf16 is not the dtype said: $said" >&2; exit 1; }
 # wall_clock_breakdown with steps_per_print 2: after steps 2 and 4, rank 0's mean times of 2 steps.
-[ "$(grep -c '^\[rank 0\] zeal: time (ms) per step, mean of 2 | forward: [0-9.]* | backward: [0-9.]*[1-9][0-9.]* | step: [0-9.]*$' <<<"$said")" -eq 2 ] ||
+[ "$(grep -c '^\[rank 0\] zeal: time (ms) per step, mean of 2 | forward: [0-9.]* | backward: [0-9.]*[1-9][0-9.]* | step: [0-9.]* | waiting for reductions: [0-9.]* | gathers: [0-9.]* | reads: [0-9.]* | writes: [0-9.]*$' <<<"$said")" -eq 2 ] ||
   { echo "FAIL: not two wall-clock lines after steps 2 and 4: $said" >&2; exit 1; }
+# The waits happen inside the forward, backward and step: never more than their sum (0.02 ms of rounding).
+grep 'zeal: time (ms) per step' <<<"$said" | awk -F'|' '{
+  split($2, f, ": "); split($3, b, ": "); split($4, s, ": ");
+  split($5, r, ": "); split($6, g, ": "); split($7, rd, ": "); split($8, w, ": ");
+  if (r[2] + g[2] + rd[2] + w[2] > f[2] + b[2] + s[2] + 0.02) { print "waits exceed the step: " $0; bad = 1 }
+} END { exit bad }' || { echo "FAIL: the waits are more than the time they are part of" >&2; exit 1; }
 # An FSDP file's fsdp_transformer_layer_cls_to_wrap (unit_names) is not applied: rank 0 says so.
 said=$("$zeal" launch --num_processes 2 --main_process_port 29539 "$train_gpt" --config_file configs/fsdp_full_shard.yaml \
   --model tiny --steps 1 --seq_len 16 --micro_batch 2 --data README.md 2>&1)
