@@ -10,6 +10,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/schedulers/step_lr.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -391,20 +392,24 @@ inline RunResult run_reference(const RunSpec& s, int split = 1) {
   return r;
 }
 
-// Relative difference of two parameter vectors, parameter by parameter: the largest
-// max|a - b| / max|b| over the model's parameter tensors (each compared at its own scale, so a
-// parameter that stays near 0 is not judged against the largest one).
-inline double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+// Relative difference of two parameter vectors, parameter by parameter: max|a - b| / max|b| of each
+// of the model's parameter tensors (each compared at its own scale, so a parameter that stays near 0
+// is not judged against the largest one); rel_diff is the largest.
+inline std::vector<double> rel_diffs(const at::Tensor& a, const at::Tensor& b) {
   TinyGpt shape(model_options());
-  double worst = 0;
+  std::vector<double> out;
   int64_t off = 0;
   for (auto& p : shape->parameters()) {
     const int64_t n = p.numel();
     at::Tensor x = a.narrow(0, off, n), y = b.narrow(0, off, n);
-    worst = std::max(worst, (x - y).abs().max().item<double>() / std::max(y.abs().max().item<double>(), 1e-12));
+    out.push_back((x - y).abs().max().item<double>() / std::max(y.abs().max().item<double>(), 1e-12));
     off += n;
   }
-  return worst;
+  return out;
+}
+inline double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  const auto d = rel_diffs(a, b);
+  return *std::max_element(d.begin(), d.end());
 }
 
 // max |a - b| / max |b| over the whole vector (for models other than TinyGpt).

@@ -29,6 +29,15 @@ using zeal_test::peers_python;
 constexpr int kSteps = 12;
 const std::vector<double> kBase{2e-4, 1e-3};
 
+// The model's two layers as two parameter groups, at kBase's rates.
+std::vector<torch::optim::OptimizerParamGroup> two_groups(torch::nn::Sequential& model) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (size_t g = 0; g < 2; ++g) {
+    groups.emplace_back(model[g]->parameters(), std::make_unique<torch::optim::AdamWOptions>(kBase[g]));
+  }
+  return groups;
+}
+
 // One rank trains kSteps steps of a two-layer model whose layers are the two groups, recording
 // get_lr() before each step; `prepared` (if any) is given to engine.prepare.
 std::vector<std::vector<double>> rates(const std::string& config_json,
@@ -40,11 +49,7 @@ std::vector<std::vector<double>> rates(const std::string& config_json,
         c.launch.use_cpu = true;
         zeal::Engine engine(c, rt);
         auto model = torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::Linear(4, 1));
-        std::vector<torch::optim::OptimizerParamGroup> groups;
-        for (size_t g = 0; g < 2; ++g) {
-          groups.emplace_back(model[g]->parameters(), std::make_unique<torch::optim::AdamWOptions>(kBase[g]));
-        }
-        torch::optim::AdamW opt(groups);
+        torch::optim::AdamW opt(two_groups(model));
         auto [m, po] = engine.prepare(model, opt);
         if (prepared) (void)engine.prepare(prepared);
         std::ofstream f(out);
@@ -116,11 +121,7 @@ TEST(ScheduleGroups, AListOfAnotherLengthThanTheGroupsIsRefused) {
         c.launch.use_cpu = true;
         zeal::Engine engine(c, rt);
         auto model = torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::Linear(4, 1));
-        std::vector<torch::optim::OptimizerParamGroup> groups;
-        for (size_t g = 0; g < 2; ++g) {
-          groups.emplace_back(model[g]->parameters(), std::make_unique<torch::optim::AdamWOptions>(kBase[g]));
-        }
-        torch::optim::AdamW opt(groups);
+        torch::optim::AdamW opt(two_groups(model));
         try {
           (void)engine.prepare(model, opt);
           std::ofstream(out) << "accepted";

@@ -40,14 +40,20 @@ since() { echo "$(now) - $1" | bc; }
 # 1. The same parameters as one machine of four ranks.
 "$zeal" launch --config_file configs/zero3.yaml --num_processes 4 --main_process_port "$port" --no_bind \
   "$train_gpt" "${short[@]}" --save_dir "$work/one" >"$work/one.log" 2>&1 || fail "1 machine x 4 ranks failed"
-on_machine 0 "$zeal" launch "${common[@]}" --main_process_port $((port + 1)) --machine_rank 0 \
-  "$train_gpt" "${short[@]}" --save_dir "$work/two" >"$work/m0.log" 2>&1 &
-p0=$!
-on_machine 1 "$zeal" launch "${common[@]}" --main_process_port $((port + 1)) --machine_rank 1 \
-  "$train_gpt" "${short[@]}" --save_dir "$work/two" >"$work/m1.log" 2>&1 &
-p1=$!
-wait $p0 || fail "machine 0 of 2 failed"
-wait $p1 || fail "machine 1 of 2 failed"
+# Both machines train the short run into one save folder; fails naming the run otherwise.
+train_on_both() {  # what, port, save folder, then the launch flags
+  local what=$1 p=$2 save=$3
+  shift 3
+  on_machine 0 "$zeal" launch "$@" --main_process_port "$p" --machine_rank 0 \
+    "$train_gpt" "${short[@]}" --save_dir "$save" >"$work/m0.log" 2>&1 &
+  p0=$!
+  on_machine 1 "$zeal" launch "$@" --main_process_port "$p" --machine_rank 1 \
+    "$train_gpt" "${short[@]}" --save_dir "$save" >"$work/m1.log" 2>&1 &
+  p1=$!
+  wait $p0 || fail "$what: machine 0 of 2 failed"
+  wait $p1 || fail "$what: machine 1 of 2 failed"
+}
+train_on_both "full sharding" $((port + 1)) "$work/two" "${common[@]}"
 grep -q "4 ranks, ZeRO stage 3" "$work/m0.log" || fail "the two machines did not form one 4-rank run"
 "$zeal" consolidate "$work/one" "$work/one_out" >/dev/null && "$zeal" consolidate "$work/two" "$work/two_out" >/dev/null ||
   fail "consolidating"
@@ -63,14 +69,7 @@ rm -f "$work"/m?.log
 sed 's/^zero_optimization:$/zero_optimization:\n  hybrid_shard: true/' configs/zero3.yaml >"$work/hybrid.yaml"
 grep -q "hybrid_shard: true" "$work/hybrid.yaml" || fail "writing the hybrid config"
 hybrid=(--config_file "$work/hybrid.yaml" "${common[@]:2}")
-on_machine 0 "$zeal" launch "${hybrid[@]}" --main_process_port $((port + 6)) --machine_rank 0 \
-  "$train_gpt" "${short[@]}" --save_dir "$work/hyb" >"$work/m0.log" 2>&1 &
-p0=$!
-on_machine 1 "$zeal" launch "${hybrid[@]}" --main_process_port $((port + 6)) --machine_rank 1 \
-  "$train_gpt" "${short[@]}" --save_dir "$work/hyb" >"$work/m1.log" 2>&1 &
-p1=$!
-wait $p0 || fail "hybrid: machine 0 of 2 failed"
-wait $p1 || fail "hybrid: machine 1 of 2 failed"
+train_on_both "hybrid" $((port + 6)) "$work/hyb" "${hybrid[@]}"
 grep -q "sharded across the 2 ranks of each machine and replicated across the 2 machines" "$work/m0.log" ||
   fail "hybrid: the run did not say it shards inside each machine"
 "$zeal" launch --config_file configs/zero3.yaml --num_processes 1 --main_process_port $((port + 6)) --no_bind \
