@@ -162,6 +162,8 @@ class OomWatch {
   std::string oom_lines_;
 };
 
+int attempt_port(const LaunchOptions& o, int restart) { return o.master_port + (o.nnodes > 1 ? restart : 0); }
+
 class Group {
  public:
   // previous_pids: the ranks of the attempt before this one (their swap files may be left).
@@ -215,7 +217,7 @@ class Group {
     if (!o_.config_file.empty()) config_abs = std::filesystem::absolute(o_.config_file).string();
     if (o_.verbose) {
       std::fprintf(stderr, "zeal launch: node %d of %d, %d processes here, world size %d, master %s:%d\n",
-                   o_.node_rank, o_.nnodes, o_.nproc_per_node, world, o_.master_addr.c_str(), o_.master_port);
+                   o_.node_rank, o_.nnodes, o_.nproc_per_node, world, o_.master_addr.c_str(), port());
     }
     ranks_.resize(o_.nproc_per_node);
     for (int l = 0; l < o_.nproc_per_node; ++l) {
@@ -230,7 +232,7 @@ class Group {
       env["NODE_RANK"] = std::to_string(o_.node_rank);
       env["GROUP_RANK"] = std::to_string(o_.node_rank);
       env["MASTER_ADDR"] = o_.master_addr;
-      env["MASTER_PORT"] = std::to_string(o_.master_port);
+      env["MASTER_PORT"] = std::to_string(port());
       env["ZEAL_LAUNCH"] = "1";
       env["ZEAL_RESTART_COUNT"] = std::to_string(restart_);
       env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart_);
@@ -576,6 +578,9 @@ class Group {
 
   const LaunchOptions& o_;
   const int restart_;
+  // The rendezvous port of this attempt: with several machines, restart k meets on the first port + k,
+  // so ranks of different attempts can never meet in one store (each launcher restarts on its own).
+  int port() const { return attempt_port(o_, restart_); }
   const std::string previous_pids_;
   OomWatch oom_;
   Clock::time_point next_sample_{};
@@ -661,13 +666,11 @@ int launch(const LaunchOptions& o) {
   if (g_signal_pipe[0] < 0) {
     if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) throw Error(std::string("pipe: ") + std::strerror(errno));
   }
-  if (o.max_restarts > 0 && o.nnodes > 1) {
-    throw Error(
-        "--max_restarts restarts the ranks of one machine; with several machines the launchers would restart "
-        "independently and could meet in different rendezvous rounds. Restart the launchers together instead (a job "
-        "scheduler's requeue) with --resume auto in the program");
-  }
   if (o.max_restarts < 0) throw Error(fmt::format("--max_restarts must be at least 0, got {}", o.max_restarts));
+  if (o.nnodes > 1 && o.master_port + o.max_restarts > 65535) {
+    throw Error(fmt::format("--max_restarts {} with several machines uses ports {} to {}: past 65535", o.max_restarts,
+                            o.master_port, o.master_port + o.max_restarts));
+  }
   std::string previous, previous_pids;
   for (int attempt = 0;; ++attempt) {
     Group group(o, attempt, previous_pids);
@@ -690,10 +693,12 @@ int launch(const LaunchOptions& o) {
       return code;
     }
     previous = signature;
-    std::fprintf(stderr, "zeal launch: restarting every rank (restart %d of %d) after %s, %.0f s into the attempt\n",
-                 attempt + 1, o.max_restarts, group.failure_summary().c_str(), group.seconds());
+    const int next_port = attempt_port(o, attempt + 1);
+    std::fprintf(stderr, "zeal launch: restarting every rank (restart %d of %d) after %s, %.0f s into the attempt%s\n",
+                 attempt + 1, o.max_restarts, group.failure_summary().c_str(), group.seconds(),
+                 o.nnodes > 1 ? fmt::format("; the machines meet again on port {}", next_port).c_str() : "");
     // Rank 0's store port is free again once its sockets are closed.
-    for (int i = 0; i < 100 && o.node_rank == 0 && !port_is_free(o.master_port); ++i) usleep(100'000);
+    for (int i = 0; i < 100 && o.node_rank == 0 && !port_is_free(next_port); ++i) usleep(100'000);
   }
 }
 

@@ -9,7 +9,8 @@
 # 4. machine 1 started with another config (one override) → both refused at the rendezvous, naming
 #    the key;
 # 5. machine 1 running another zeal build (its library with another source id) → refused the same way;
-# 6. (after 1) 2 machines × 2 ranks with hybrid_shard end within rounding of full sharding.
+# 6. (after 1) 2 machines × 2 ranks with hybrid_shard end within rounding of full sharding;
+# 7. both launchers with --max_restarts restart together after a rank is killed and end bit-identical.
 # Needs root and iproute2; exits 77 (skipped) otherwise.
 #
 # usage: machines.sh ZEAL TRAIN_GPT [PORT]
@@ -101,6 +102,46 @@ PY
 (($(echo "$worst <= $bound" | bc -l))) ||
   fail "hybrid: the parameters differ from full sharding by $worst (relative), more than the bound $bound"
 echo "PASS: 2 machines x 2 ranks with hybrid_shard end within $worst (relative) of full sharding (bound $bound: 4 x one rank against full sharding)"
+rm -f "$work"/m?.log
+
+# 2 machines x 2 ranks with --max_restarts 1 and --resume auto: one rank of machine 1 killed after a
+# checkpoint; both launchers restart (meeting again on the next port), the run resumes from its last
+# checkpoint and ends with the bits of the uninterrupted two-machine run.
+long_enough=(--model tiny --steps 12 --seq_len 32 --micro_batch 2 --data README.md --seed 3 --save_every 1)
+restart_flags=(--max_restarts 1 "${common[@]}")
+on_machine 0 "$zeal" launch "${common[@]}" --main_process_port $((port + 7)) --machine_rank 0 \
+  "$train_gpt" "${long_enough[@]}" --save_dir "$work/whole" >"$work/m0.log" 2>&1 &
+p0=$!
+on_machine 1 "$zeal" launch "${common[@]}" --main_process_port $((port + 7)) --machine_rank 1 \
+  "$train_gpt" "${long_enough[@]}" --save_dir "$work/whole" >"$work/m1.log" 2>&1 &
+p1=$!
+wait $p0 && wait $p1 || fail "restart: the uninterrupted run failed"
+on_machine 0 "$zeal" launch "${restart_flags[@]}" --main_process_port $((port + 8)) --machine_rank 0 \
+  "$train_gpt" "${long_enough[@]}" --save_dir "$work/again" --resume auto >"$work/m0.log" 2>&1 &
+p0=$!
+on_machine 1 "$zeal" launch "${restart_flags[@]}" --main_process_port $((port + 8)) --machine_rank 1 \
+  "$train_gpt" "${long_enough[@]}" --save_dir "$work/again" --resume auto >"$work/m1.log" 2>&1 &
+p1=$!
+for ((i = 0; i < 600; i++)); do [ -e "$work/again/checkpoint-4" ] && break; sleep 0.05; done
+[ -e "$work/again/checkpoint-4" ] || fail "restart: the run never saved step 4"
+victim=$(ps -o pid=,comm= -p "$(ip netns pids "${MACHINE_NS[1]}" | paste -sd,)" | awk '$2 == "train_gpt" {print $1; exit}')
+[ -n "$victim" ] || fail "restart: no rank of machine 1 found"
+kill -KILL "$victim"
+wait $p0
+s0=$?
+wait $p1
+s1=$?
+[ $s0 -eq 0 ] && [ $s1 -eq 0 ] || fail "restart: the machines ended with $s0 and $s1 after one rank was killed"
+for m in 0 1; do
+  grep -q "restarting every rank (restart 1 of 1) after .*; the machines meet again on port $((port + 9))" "$work/m$m.log" ||
+    fail "restart: machine $m did not restart onto the next port"
+done
+grep -q "resumed from" "$work/m0.log" || fail "restart: the program did not resume from its checkpoint"
+"$zeal" consolidate "$work/whole/checkpoint-12" "$work/whole_out" >/dev/null &&
+  "$zeal" consolidate "$work/again/checkpoint-12" "$work/again_out" >/dev/null || fail "restart: consolidating"
+cmp "$work/whole_out/model.safetensors" "$work/again_out/model.safetensors" ||
+  fail "restart: the restarted run ends with other parameters than the uninterrupted one"
+echo "PASS: two machines restart together after a rank of machine 1 was killed, and end bit-identical"
 rm -f "$work"/m?.log
 
 # Starts both machines on a long run; returns once machine 0 has logged step 3.
