@@ -914,21 +914,38 @@ void Engine::sync_buffers() {
   }
 }
 
-// Before the first optimizer step: LoRA adapters that no forward of this step ran (their Linear's
-// weight used directly by its owner, never through Linear::forward) would train nothing, silently.
-// Every rank agrees (one all-reduce, only when the process has adapters), so all refuse together.
+// Before the first optimizer step: LoRA adapters that no forward of this step ran on any rank (their
+// Linear's weight used directly by its owner, never through Linear::forward) would train nothing,
+// silently. Every rank takes part (the same collectives whether or not it has adapters): the ranks
+// agree on how many adapted layers the model has, then on which ran anywhere.
 void Engine::check_adapters_ran() {
-  if (peft::detail::live_slots() == 0 || !state_->module) return;
-  const std::vector<std::string> idle = peft::detail::adapters_not_run(*state_->module);
+  const auto layers = state_->module ? peft::detail::adapter_runs(*state_->module)
+                                     : std::vector<std::pair<std::string, bool>>{};
   Communicator& c = comm();
-  at::Tensor n = at::full({1}, static_cast<int64_t>(idle.size()), at::TensorOptions().dtype(at::kLong).device(device_));
-  if (c.world_size() > 1) c.all_reduce(n, ReduceOp::kMax).wait();
-  if (n.item<int64_t>() == 0) return;
-  if (idle.empty()) throw Error("the LoRA adapters of some layers did not run on another rank (see its error)");
-  throw Error(fmt::format("the LoRA adapters of {} adapted layer{} did not run in the first step's forward passes: "
-                          "{}{}. Their module multiplies by the Linear's weight itself instead of calling it (as "
-                          "torch::nn::MultiheadAttention does with out_proj), so the adapters would never train; "
-                          "leave these layers out of target_modules",
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(device_);
+  const int64_t n = static_cast<int64_t>(layers.size());
+  at::Tensor count = at::tensor({n, -n}, at::kLong).to(device_);
+  if (c.world_size() > 1) c.all_reduce(count, ReduceOp::kMax).wait();
+  count = count.cpu();
+  if (count[0].item<int64_t>() != -count[1].item<int64_t>()) {
+    throw Error(fmt::format("the ranks' models have different numbers of LoRA-adapted layers ({} to {}; this rank {}): "
+                            "adapt the same layers on every rank",
+                            -count[1].item<int64_t>(), count[0].item<int64_t>(), n));
+  }
+  if (n == 0) return;
+  at::Tensor ran = at::zeros({n}, opts);
+  for (int64_t i = 0; i < n; ++i)
+    if (layers[i].second) ran[i] = 1;
+  if (c.world_size() > 1) c.all_reduce(ran, ReduceOp::kMax).wait();
+  ran = ran.cpu();
+  std::vector<std::string> idle;
+  for (int64_t i = 0; i < n; ++i)
+    if (ran[i].item<int64_t>() == 0) idle.push_back(layers[i].first);
+  if (idle.empty()) return;
+  throw Error(fmt::format("the LoRA adapters of {} adapted layer{} did not run in the first step's forward passes on "
+                          "any rank: {}{}. Their module multiplies by the Linear's weight itself instead of calling it "
+                          "(as torch::nn::MultiheadAttention does with out_proj), or the layer is not used by the "
+                          "loss, so the adapters would never train; leave these layers out of target_modules",
                           idle.size(), idle.size() == 1 ? "" : "s",
                           fmt::join(idle.begin(), idle.begin() + std::min<size_t>(idle.size(), 8), ", "),
                           idle.size() > 8 ? ", ..." : ""));
@@ -957,6 +974,7 @@ void Engine::report_progress(const std::vector<double>& lrs) {
               w.steps, w.forward / n, w.backward / n, w.step / n, waited[0] * 1e3 / n, waited[1] * 1e3 / n,
               waited[2] * 1e3 / n, waited[3] * 1e3 / n);
   }
+  if (!(config_.wall_clock_breakdown && w.steps > 0)) (void)detail::take_waits();  // a window's waits stay in it
   w.forward = w.backward = w.step = 0;
   w.steps = 0;
 }

@@ -189,8 +189,11 @@ class Group {
     const Rank& r = ranks_[first_failure_];
     if (!WIFEXITED(r.status)) return {};
     // Any rank may be the first to fail a bad config: rank numbers in the line do not count.
-    static const std::regex rank_number(R"(\brank \d+)");
-    return fmt::format("{}|{}", WEXITSTATUS(r.status), std::regex_replace(r.last_error_line, rank_number, "rank #"));
+    // Nor sequence numbers (collective #1234), which count from the process's start and differ
+    // after a resume.
+    static const std::regex rank_number(R"(\brank \d+)"), sequence(R"(#\d+)");
+    return fmt::format("{}|{}", WEXITSTATUS(r.status),
+                       std::regex_replace(std::regex_replace(r.last_error_line, rank_number, "rank #"), sequence, "#"));
   }
   std::string failure_summary() const {
     if (first_failure_ < 0) return {};
@@ -671,6 +674,14 @@ int launch(const LaunchOptions& o) {
     throw Error(fmt::format("--max_restarts {} with several machines uses ports {} to {}: past 65535", o.max_restarts,
                             o.master_port, o.master_port + o.max_restarts));
   }
+  // Several machines restart on the next ports: machine 0 needs them all.
+  for (int k = 1; o.node_rank == 0 && o.nnodes > 1 && k <= o.max_restarts; ++k) {
+    if (!port_is_free(o.master_port + k, &why)) {
+      throw Error(fmt::format("port {} is already in use on this machine ({}): with --max_restarts {} over several "
+                              "machines, restart {} meets there. Choose a --main_process_port with {} free ports after it",
+                              o.master_port + k, why, o.max_restarts, k, o.max_restarts));
+    }
+  }
   std::string previous, previous_pids;
   for (int attempt = 0;; ++attempt) {
     Group group(o, attempt, previous_pids);
@@ -699,6 +710,11 @@ int launch(const LaunchOptions& o) {
                  o.nnodes > 1 ? fmt::format("; the machines meet again on port {}", next_port).c_str() : "");
     // Rank 0's store port is free again once its sockets are closed.
     for (int i = 0; i < 100 && o.node_rank == 0 && !port_is_free(next_port); ++i) usleep(100'000);
+    if (o.node_rank == 0 && !port_is_free(next_port, &why)) {
+      std::fprintf(stderr, "zeal launch: giving up: port %d, where restart %d meets, is in use (%s)\n", next_port,
+                   attempt + 1, why.c_str());
+      return code;
+    }
   }
 }
 

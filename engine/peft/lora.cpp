@@ -97,12 +97,12 @@ bool has_slot(const torch::nn::Module* linear) {
   return it != slots.end() && it->second.owner.lock().get() == linear;
 }
 
-std::vector<std::string> adapters_not_run(const torch::nn::Module& root) {
-  std::vector<std::string> out;
+std::vector<std::pair<std::string, bool>> adapter_runs(const torch::nn::Module& root) {
+  std::vector<std::pair<std::string, bool>> out;
   if (live_slots() == 0) return out;
   for (const auto& item : root.named_modules("", false)) {
     Slot slot;
-    if (find_slot(item.value().get(), &slot) && slot.runs->load(std::memory_order_relaxed) == 0) out.push_back(item.key());
+    if (find_slot(item.value().get(), &slot)) out.push_back({item.key(), slot.runs->load(std::memory_order_relaxed) > 0});
   }
   return out;
 }

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace zeal::peft::detail {
@@ -29,8 +30,9 @@ void add_slot(const torch::nn::Module* linear, Slot slot);
 void set_active(const torch::nn::Module* linear, bool active);
 void remove_slot(const torch::nn::Module* linear);
 bool has_slot(const torch::nn::Module* linear);
-// The paths (under `root`) of adapted Linear modules whose active adapters have not run in a forward
-// with gradients enabled: a module that multiplies by the Linear's weight itself bypasses them.
-std::vector<std::string> adapters_not_run(const torch::nn::Module& root);
+// The adapted Linear modules under `root` with active adapters, in the module tree's order: each
+// path and whether its adapters ran in a forward with gradients enabled (a module that multiplies by
+// the Linear's weight itself bypasses them).
+std::vector<std::pair<std::string, bool>> adapter_runs(const torch::nn::Module& root);
 
 }  // namespace zeal::peft::detail

@@ -321,6 +321,7 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
     detail::set_store_host(
         fmt::format("rank 0, which hosts the rendezvous store at {}:{},", env.master_addr, env.master_port));
   }
+  std::chrono::milliseconds rendezvous = m.timeout;  // how long the ranks wait to meet
   if (env.world_size == 1) {
     m.store = c10::make_intrusive<c10d::HashStore>();
   } else {
@@ -329,7 +330,13 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
     o.isServer = env.rank == 0 && !options.store_hosted_elsewhere;
     o.waitWorkers = false;
     // Connecting has its own, shorter deadline: a store that does not answer in that time will not.
-    const auto connect = std::min(m.timeout, connect_timeout());
+    // A restarted attempt of a run over several machines waits for the other machines' launchers,
+    // which restart once their ranks have noticed the failure (within comm_timeout): comm_timeout
+    // and a minute more, to connect and to meet.
+    const char* restarts = std::getenv("ZEAL_RESTART_COUNT");
+    const bool restarted_across = restarts && std::atoi(restarts) > 0 && env.local_world_size < env.world_size;
+    rendezvous = restarted_across ? m.timeout + std::chrono::seconds(60) : m.timeout;
+    const auto connect = restarted_across ? rendezvous : std::min(m.timeout, connect_timeout());
     o.timeout = connect;
     if (!o.isServer) {
       // A name that does not resolve never will: say so now instead of retrying for the deadline.
@@ -362,7 +369,7 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& options) : impl_(std:
                               env.rank, env.master_addr, env.master_port, connect.count() / 1000.0,
                               first_line(without_backtrace(e.what()))));
     }
-    check_in(m.store, env, m.timeout, settings);
+    check_in(m.store, env, rendezvous, settings);
   }
   // CUDA tensors are staged through pinned host memory, so ranks that share a GPU can train.
   m.gloo = detail::make_staging_communicator(detail::make_gloo_communicator(

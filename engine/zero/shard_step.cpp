@@ -309,7 +309,10 @@ void ShardStep::apply_nvme(double inv_scale) {
     }
   } drain{reading, writing};
   const int S = sets_;
-  if (total_ > 0) read(0, 0);
+  if (total_ > 0) {
+    detail::ScopedWait waiting(detail::WaitKind::kRead);  // the first window, before anything overlaps
+    read(0, 0);
+  }
   for (int64_t a = 0, i = 0; a < total_; a += window_, ++i) {
     const int k = static_cast<int>(i % S);
     const int64_t len = std::min(window_, total_ - a);
@@ -378,8 +381,14 @@ void ShardStep::apply_nvme(double inv_scale) {
       for (const Back& b : back)
         if (b.lo + b.n == b.piece->offset + b.piece->grad.numel()) hooks_.leave(static_cast<size_t>(b.piece - pieces_.data()));
     }
-    if (S < 3 || next >= total_) write(a, k);
-    if (S == 1 && next < total_) read(next, 0);
+    if (S < 3 || next >= total_) {
+      detail::ScopedWait waiting(detail::WaitKind::kWrite);
+      write(a, k);
+    }
+    if (S == 1 && next < total_) {
+      detail::ScopedWait waiting(detail::WaitKind::kRead);
+      read(next, 0);
+    }
   }
   if (!grad32_.is_same(alias_)) grad32_ = alias_;
   grad32_ready_ = false;
@@ -627,12 +636,16 @@ void ShardStep::accumulate_grad(size_t k, const at::Tensor& g) {
     at::Tensor buf = at::from_blob(gbounce_[0].data_ptr(), {len}, at::TensorOptions().dtype(dtype));
     const at::Tensor part = g.narrow(0, c, len);
     if (gswap_written_[k]) {
-      gswap_->read(buf.data_ptr(), bytes, off);
+      {
+        detail::ScopedWait waiting(detail::WaitKind::kRead);
+        gswap_->read(buf.data_ptr(), bytes, off);
+      }
       buf.add_(part.scalar_type() == dtype ? part : part.to(dtype));  // as grad_shard_.add_ does
     } else {
       buf.copy_(part);
     }
     s = stats_from(buf, s);  // chunks are whole kStatsBlocks: the bits of the piece taken whole
+    detail::ScopedWait waiting(detail::WaitKind::kWrite);
     gswap_->write(buf.data_ptr(), bytes, off);
   }
   gswap_stats_[k] = s;
@@ -649,7 +662,10 @@ at::Tensor ShardStep::read_grad(size_t k) {
   const int64_t chunk = window_ * 4 / esize;
   for (int64_t c = 0; c < n; c += chunk) {
     const int64_t len = std::min(chunk, n - c);
-    gswap_->read(gbounce_[0].data_ptr(), round_up(len * esize, offload::kIoAlign), gswap_off_[k] + c * esize);
+    {
+      detail::ScopedWait waiting(detail::WaitKind::kRead);
+      gswap_->read(gbounce_[0].data_ptr(), round_up(len * esize, offload::kIoAlign), gswap_off_[k] + c * esize);
+    }
     out.narrow(0, c, len).copy_(at::from_blob(gbounce_[0].data_ptr(), {len}, out.options()));
   }
   return out;

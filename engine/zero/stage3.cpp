@@ -554,6 +554,16 @@ std::vector<int> Stage3::gather_units(const std::vector<at::Tensor>& params) {
   return out;
 }
 
+namespace {
+bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
+  const at::ScalarType bits = a.element_size() == 8 ? at::kLong : a.element_size() == 4 ? at::kInt
+                              : a.element_size() == 2                                    ? at::kShort
+                                                                                         : at::kByte;
+  return at::equal(a.contiguous().view(bits), b.contiguous().view(bits));
+}
+}  // namespace
+
 void Stage3::release_units(const std::vector<int>& units, int modifier_rank) {
   c10::NoGradGuard no_grad;
   for (int i : units) {
@@ -567,13 +577,16 @@ void Stage3::release_units(const std::vector<int>& units, int modifier_rank) {
         if (comm_.world_size() > 1) comm_.broadcast(part->full, modifier_rank).wait();
         const FlatLayout& l = *part->layout;
         const at::Tensor fresh = part->full.narrow(0, l.shard_begin(comm_.rank()), l.shard_size());
-        if (part == &u.train_ && !u.master_pieces_.empty()) trainable_changed = !at::equal(fresh, part->shard);
+        // Bit for bit (a NaN that stayed is no change; -0 for +0 is one).
+        if (part == &u.train_ && !u.master_pieces_.empty()) trainable_changed = !bitwise_equal(fresh, part->shard);
         part->shard.copy_(fresh);
       }
       // The master weights of the unit's trainable parameters take the new values too, when they
       // changed on any rank (merging LoRA adapters changes only the frozen weights beside them, so it
       // works with the master weights on nvme, where they cannot be changed from outside the step).
-      if (!u.master_pieces_.empty() && comm_.world_size() > 1) {
+      // Every rank with a trainable part joins (a rank whose shard is padding only has no master piece
+      // and says "unchanged"): the same collectives on every rank.
+      if (u.train_.layout && comm_.world_size() > 1) {
         at::Tensor flag = at::full({1}, trainable_changed ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(opts_.device));
         comm_.all_reduce(flag, ReduceOp::kMax).wait();
         trainable_changed = flag.item<int>() != 0;

@@ -104,8 +104,8 @@ PY
 echo "PASS: 2 machines x 2 ranks with hybrid_shard end within $worst (relative) of full sharding (bound $bound: 4 x one rank against full sharding)"
 rm -f "$work"/m?.log
 
-# 2 machines x 2 ranks with --max_restarts 1 and --resume auto: one rank of machine 1 killed after a
-# checkpoint; both launchers restart (meeting again on the next port), the run resumes from its last
+# 2 machines x 2 ranks with --max_restarts 1 and --resume auto: one rank of machine 1 killed once the
+# checkpoint of step 4 appears (often while it is being written); both launchers restart (meeting again on the next port), the run resumes from its last
 # checkpoint and ends with the bits of the uninterrupted two-machine run.
 long_enough=(--model tiny --steps 12 --seq_len 32 --micro_batch 2 --data README.md --seed 3 --save_every 1)
 restart_flags=(--max_restarts 1 "${common[@]}")

@@ -292,7 +292,8 @@ TORCH_MODULE(Bypass);
 TEST(Lora, AdaptersThatNeverRunAreRefusedAtTheFirstStepOnEveryRank) {
   for (const auto& [targets, want] :
        {std::pair{std::vector<std::string>{"used", "direct"}, std::string("the LoRA adapters of 1 adapted layer did not "
-                                                                           "run in the first step's forward passes: direct.")},
+                                                                           "run in the first step's forward passes on any "
+                                                                           "rank: direct.")},
         std::pair{std::vector<std::string>{"used"}, std::string("accepted")}}) {
     const std::string dir =
         (std::filesystem::temp_directory_path() / ("zeal_bypass_" + std::to_string(::getpid()))).string();
@@ -338,7 +339,13 @@ TEST(Lora, ACloneOfAnAdaptedModelIsRefused) {
   auto peft = zeal::peft::get_peft_model(seq.ptr(), lc);
   const at::Tensor x = at::randn({3, 4});
   const at::Tensor y = seq->forward(x);
-  EXPECT_THROW((void)seq->clone(), c10::Error);
+  try {
+    (void)seq->clone();
+    ADD_FAILURE() << "the adapted model was cloned";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("does not have the same number of child modules"), std::string::npos)
+        << e.what();
+  }
   EXPECT_TRUE(at::equal(seq->forward(x), y)) << "the original is unaffected";
 }
 
@@ -487,7 +494,7 @@ TEST(Lora, EveryStageAndWorldSizeTrainsTheSameAdapters) {
   for (const Run& run : {Run{0, 2, false}, Run{0, 3, false}, Run{1, 1, false}, Run{1, 2, false}, Run{1, 3, false},
                          Run{2, 1, false}, Run{2, 2, false}, Run{2, 3, false}, Run{3, 1, false}, Run{3, 2, false},
                          Run{3, 3, false}, Run{3, 3, true}, Run{2, 2, false, "cpu"}, Run{3, 2, false, "cpu"},
-                         Run{3, 2, false, "nvme"}}) {
+                         Run{3, 2, false, "nvme"}, Run{3, 3, false, "nvme"}}) {
     SCOPED_TRACE("stage " + std::to_string(run.stage) + ", " + std::to_string(run.world) + " ranks" +
                  (run.init ? ", engine.init" : "") + (run.offload.empty() ? "" : ", offload " + run.offload));
     const std::string dir = root + "/s" + std::to_string(run.stage) + "w" + std::to_string(run.world) +
@@ -586,11 +593,15 @@ TEST(Lora, OperandOrderAndRootLayersDoNotMatterUnderStage3) {
             o.zero_grad();
           }
           peft.save_pretrained(out, &engine);
+          // Merging under stage 3: on 4 ranks a block's 48 adapter elements leave the last rank a
+          // shard of padding only, which must still take part in every collective of the merge.
+          peft.merge_and_unload(&engine);
         },
         world);
     for (const auto& res : results) EXPECT_TRUE(res.ok()) << "rank " << res.rank << ": " << res.failure;
     return read_st(out + "/adapter_model.safetensors");
   };
+  (void)run(3, 4);
   const StFile ref = run(0, 1), got = run(3, 2);
   ASSERT_EQ(ref.tensors.size(), 14u);
   for (const auto& [k, t] : ref.tensors) EXPECT_LT((got.tensors.at(k) - t).abs().max().item<double>(), 2e-5) << k;
