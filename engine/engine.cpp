@@ -955,29 +955,35 @@ void Engine::check_adapters_ran() {
 // steps skipped, each group's learning rate of that step, the gradient norm and, in fp16, the loss scale.
 void Engine::report_progress(const std::vector<double>& lrs) {
   const int64_t steps = optimizer_steps_ + skipped_steps_;
-  if (!log::enabled(log::Level::kInfo) || steps % config_.steps_per_print != 0) return;
-  std::string rates;
-  for (size_t g = 0; g < lrs.size(); ++g) rates += fmt::format("{}{:.6g}", g ? ", " : "", lrs[g]);
-  std::string line = fmt::format("step={}, skipped={}, lr=[{}], grad_norm={:.6g}", steps, skipped_steps_, rates,
-                                 last_grad_norm_);
-  if (state_->scaler) line += fmt::format(", loss_scale={:g}", state_->scaler->scale());
-  log::info("{}", line);
+  if (steps % config_.steps_per_print != 0) return;
+  if (log::enabled(log::Level::kInfo)) {
+    std::string rates;
+    for (size_t g = 0; g < lrs.size(); ++g) rates += fmt::format("{}{:.6g}", g ? ", " : "", lrs[g]);
+    std::string line = fmt::format("step={}, skipped={}, lr=[{}], grad_norm={:.6g}", steps, skipped_steps_, rates,
+                                   last_grad_norm_);
+    if (state_->scaler) line += fmt::format(", loss_scale={:g}", state_->scaler->scale());
+    log::info("{}", line);
+  }
   // wall_clock_breakdown: the mean per optimizer step since the last line. "forward" is everything
-  // from the end of the previous backward or step to the next backward (the forward, and the data).
+  // from the end of the previous backward or step to the next backward (the forward, and the data);
+  // inside those, what the training thread spent blocked on collectives and on offloaded state.
   auto& w = state_->wall;
+  const auto waited = detail::take_waits();  // a window's waits stay in it
   if (config_.wall_clock_breakdown && w.steps > 0) {
     const double n = static_cast<double>(w.steps);
-    // Inside those: what the training thread spent blocked on collectives and on offloaded state.
-    const auto waited = detail::take_waits();
+    w.last = {steps,           w.steps,         w.forward / n,   w.backward / n,  w.step / n,
+              waited[0] * 1e3 / n, waited[1] * 1e3 / n, waited[2] * 1e3 / n, waited[3] * 1e3 / n};
+    const StepBreakdown& b = w.last;
     log::info("time (ms) per step, mean of {} | forward: {:.2f} | backward: {:.2f} | step: {:.2f} | waiting for "
               "reductions: {:.2f} | gathers: {:.2f} | reads: {:.2f} | writes: {:.2f}",
-              w.steps, w.forward / n, w.backward / n, w.step / n, waited[0] * 1e3 / n, waited[1] * 1e3 / n,
-              waited[2] * 1e3 / n, waited[3] * 1e3 / n);
+              b.steps, b.forward_ms, b.backward_ms, b.step_ms, b.reduction_wait_ms, b.gather_wait_ms, b.read_wait_ms,
+              b.write_wait_ms);
   }
-  if (!(config_.wall_clock_breakdown && w.steps > 0)) (void)detail::take_waits();  // a window's waits stay in it
   w.forward = w.backward = w.step = 0;
   w.steps = 0;
 }
+
+const Engine::StepBreakdown& Engine::wall_clock() const { return state_->wall.last; }
 
 void Engine::zero_grad() {
   // Inside an accumulation the gradients are the sum so far: only the sync micro-step clears.

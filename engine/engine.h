@@ -279,6 +279,15 @@ class Engine {
   at::Tensor full_grad(const at::Tensor& param);
   double last_grad_norm() const { return last_grad_norm_; }
   double loss_scale() const;
+  // wall_clock_breakdown: the mean milliseconds per optimizer step of the last steps_per_print window
+  // (the numbers rank 0 prints; every rank has its own), with the optimizer step count it ended at;
+  // at_step 0 until a window was measured.
+  struct StepBreakdown {
+    int64_t at_step = 0, steps = 0;
+    double forward_ms = 0, backward_ms = 0, step_ms = 0;
+    double reduction_wait_ms = 0, gather_wait_ms = 0, read_wait_ms = 0, write_wait_ms = 0;
+  };
+  const StepBreakdown& wall_clock() const;
   // DeepSpeed's get_lr: the learning rate of each parameter group for the next optimizer step, as
   // the scheduler gives it (the config's: WarmupLR and WarmupDecayLR the same rates for every group,
   // WarmupCosineLR a fraction of each group's own; one the program prepared: a factor of each

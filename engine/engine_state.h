@@ -81,6 +81,7 @@ struct Engine::State {
     bool marked = false;
     double forward = 0, backward = 0, step = 0;
     int64_t steps = 0;
+    Engine::StepBreakdown last;  // the last window's means
   } wall;
 };
 

@@ -151,6 +151,15 @@ class RunLog : public zeal::TrainerCallback {
                            engine_.optimizer_step_was_skipped() ? "true" : "false", mem.model_states(), mem.gathered_peak,
                            mem.offload_host, mem.offload_disk, so_far.cpu.end, so_far.cpu.peak,
                            so_far.device.measured ? fmt::format(", \"device_peak_bytes\": {}", so_far.device.peak) : "");
+    // wall_clock_breakdown: the means of the window that ended at this step, on the step that ends it.
+    if (const auto& b = engine_.wall_clock(); b.at_step > breakdown_at_) {
+      breakdown_at_ = b.at_step;
+      pending_ += fmt::format(", \"time_ms\": {{\"steps\": {}, \"forward\": {:.3f}, \"backward\": {:.3f}, \"step\": {:.3f}, "
+                              "\"wait_reductions\": {:.3f}, \"wait_gathers\": {:.3f}, \"wait_reads\": {:.3f}, "
+                              "\"wait_writes\": {:.3f}}}",
+                              b.steps, b.forward_ms, b.backward_ms, b.step_ms, b.reduction_wait_ms, b.gather_wait_ms,
+                              b.read_wait_ms, b.write_wait_ms);
+    }
   }
   void on_evaluate(const Args&, const zeal::TrainerState&, zeal::TrainerControl&, const zeal::Metrics& m) override {
     if (!pending_.empty() && m.count("eval_loss")) pending_ += fmt::format(", \"eval_loss\": {:.6f}", m.at("eval_loss"));
@@ -193,6 +202,7 @@ class RunLog : public zeal::TrainerCallback {
   bool eval_at_end_;
   std::unique_ptr<zeal::MemoryTracker> phase_;
   std::string pending_;
+  int64_t breakdown_at_ = 0;  // the optimizer step of the last breakdown written
 };
 
 }  // namespace

@@ -24,8 +24,10 @@ grep -q 'reduced across ranks in fp32 (communication_data_type unset; DeepSpeed 
   { echo "FAIL: a bf16 run does not say its gradients are reduced in fp32: $said" >&2; exit 1; }
 wire=$(mktemp --suffix=.yaml)
 { cat "$config"; echo "communication_data_type: bf16"; echo "steps_per_print: 2"; echo "wall_clock_breakdown: true"; } > "$wire"
+breakdown_log=$(mktemp --suffix=.jsonl)
 said=$("$zeal" launch --num_processes 2 --main_process_port 29539 --mixed_precision bf16 \
-  "$train_gpt" --config_file "$wire" --model tiny --steps 4 --seq_len 16 --micro_batch 2 --data README.md 2>&1)
+  "$train_gpt" --config_file "$wire" --model tiny --steps 4 --seq_len 16 --micro_batch 2 --data README.md \
+  --log_jsonl "$breakdown_log" 2>&1)
 rm -f "$wire"
 grep -q 'zeal: gradients accumulate in fp32 and are reduced across ranks in bf16$' <<<"$said" ||
   { echo "FAIL: communication_data_type bf16 is not the dtype said: $said" >&2; exit 1; }
@@ -38,6 +40,20 @@ grep 'zeal: time (ms) per step' <<<"$said" | awk -F'|' '{
   split($5, r, ": "); split($6, g, ": "); split($7, rd, ": "); split($8, w, ": ");
   if (r[2] + g[2] + rd[2] + w[2] > f[2] + b[2] + s[2] + 0.02) { print "waits exceed the step: " $0; bad = 1 }
 } END { exit bad }' || { echo "FAIL: the waits are more than the time they are part of" >&2; exit 1; }
+# The JSON log carries the same means, on the steps whose window they close (steps 1 and 3, counted
+# from 0), as the printed lines give them.
+SAID=$said python3 - "$breakdown_log" <<'PY' || { echo "FAIL: the JSON log's time_ms differs from the printed breakdown" >&2; exit 1; }
+import json, os, re, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+printed = [re.findall(r"[0-9.]+", l.split("mean of", 1)[1]) for l in os.environ["SAID"].splitlines()
+           if "time (ms) per step" in l]
+logged = [(l["step"], l["time_ms"]) for l in lines if "time_ms" in l]
+assert [s for s, _ in logged] == [1, 3] and len(printed) == 2, (logged, printed)
+for (step, t), p in zip(logged, printed):
+    got = [t["steps"], t["forward"], t["backward"], t["step"], t["wait_reductions"], t["wait_gathers"], t["wait_reads"], t["wait_writes"]]
+    assert all(abs(float(a) - b) <= 0.006 for a, b in zip(p, got)), (step, p, got)
+PY
+rm -f "$breakdown_log"
 # An FSDP file's fsdp_transformer_layer_cls_to_wrap (unit_names) is not applied: rank 0 says so.
 said=$("$zeal" launch --num_processes 2 --main_process_port 29539 "$train_gpt" --config_file configs/fsdp_full_shard.yaml \
   --model tiny --steps 1 --seq_len 16 --micro_batch 2 --data README.md 2>&1)
