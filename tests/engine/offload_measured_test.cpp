@@ -21,34 +21,16 @@
 #include "engine/resident.h"
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
-#include "engine/zero/sharded.h"
+#include "tests/engine/linear_blocks.h"
 #include "tests/test_device.h"
 
 namespace {
 
 namespace fs = std::filesystem;
-constexpr int64_t kDim = 1024;
-constexpr int kBlocks = 12;
+using zeal_test::kBlocks;
+constexpr int64_t kDim = zeal_test::kBlockDim;
 constexpr int kWorld = 2;
 
-struct BlockImpl : torch::nn::Module {
-  BlockImpl() { fc = register_module("fc", torch::nn::Linear(kDim, kDim)); }
-  at::Tensor forward(const at::Tensor& x) { return at::tanh(fc(x)); }
-  torch::nn::Linear fc{nullptr};
-};
-TORCH_MODULE(Block);
-
-struct NetImpl : torch::nn::Module {
-  NetImpl() {
-    for (int i = 0; i < kBlocks; ++i) blocks.push_back(register_module("b" + std::to_string(i), zeal::Sharded<Block>()));
-  }
-  at::Tensor forward(at::Tensor x) {
-    for (auto& b : blocks) x = b->forward(x);
-    return x;
-  }
-  std::vector<zeal::Sharded<Block>> blocks;
-};
-TORCH_MODULE(Net);
 
 constexpr double kParams = static_cast<double>(kBlocks) * kDim * (kDim + 1);
 
@@ -86,7 +68,7 @@ Measured run(const std::string& swap) {
         }
         zeal::Engine engine(c, rt);
         torch::manual_seed(3);
-        Net net;
+        zeal_test::LinearStack net;
         torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-3));
         auto [m, o] = engine.prepare(net, opt);
         torch::manual_seed(9 + rt.rank());

@@ -21,33 +21,14 @@
 #include "engine/memory_tracker.h"
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
-#include "engine/zero/sharded.h"
+#include "tests/engine/linear_blocks.h"
 #include "tests/test_device.h"
 
 namespace {
 
-constexpr int64_t kDim = 1024;   // a block: 1 Mi weights, 4 MiB of fp32 gradient staging
-constexpr int kBlocks = 12;
+using zeal_test::kBlocks;
+constexpr int64_t kDim = zeal_test::kBlockDim;  // a block: 1 Mi weights, 4 MiB of fp32 gradient staging
 
-struct BlockImpl : torch::nn::Module {
-  BlockImpl() { fc = register_module("fc", torch::nn::Linear(kDim, kDim)); }
-  at::Tensor forward(const at::Tensor& x) { return at::tanh(fc(x)); }
-  torch::nn::Linear fc{nullptr};
-};
-TORCH_MODULE(Block);
-
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(bool reversed) : reversed(reversed) {
-    for (int i = 0; i < kBlocks; ++i) blocks.push_back(register_module("b" + std::to_string(i), zeal::Sharded<Block>()));
-  }
-  at::Tensor forward(at::Tensor x) {
-    for (int i = 0; i < kBlocks; ++i) x = blocks[reversed ? kBlocks - 1 - i : i]->forward(x);
-    return x;
-  }
-  bool reversed;
-  std::vector<zeal::Sharded<Block>> blocks;
-};
-TORCH_MODULE(Net);
 
 struct Measured {
   double backward_peak = 0;  // bytes above the resident set before the backward
@@ -68,7 +49,7 @@ Measured run(bool reversed, int stage = 3) {
         c.zero.stage3_prefetch_bucket_size = {0, false};
         zeal::Engine engine(c, rt);
         torch::manual_seed(5);
-        Net net(reversed);
+        zeal_test::LinearStack net(reversed);
         torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-3));
         auto [m, o] = engine.prepare(net, opt);
         torch::manual_seed(11 + rt.rank());
