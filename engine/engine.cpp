@@ -657,10 +657,10 @@ void Engine::build_zero() {
   }
   Communicator& sc = shard_comm();
   say_gradient_dtypes(sc.reduction_world());
-  if (!config_.zero.unit_names.empty()) {
-    log::warning("zero_optimization.unit_names (fsdp_transformer_layer_cls_to_wrap) [{}] is not applied: stage 3's "
-                 "units are the model's zeal::Sharded members",
-                 fmt::join(config_.zero.unit_names, ", "));
+  if (!config_.zero.unit_names.empty() && !stage3) {
+    log::info("zero_optimization.unit_names (fsdp_transformer_layer_cls_to_wrap) [{}] names stage 3's units: at stage "
+              "{} nothing is gathered, so it changes nothing",
+              fmt::join(config_.zero.unit_names, ", "), config_.zero.stage);
   }
   if (stage3) {
     zero::Stage3Options o3;
@@ -676,6 +676,7 @@ void Engine::build_zero() {
     o3.offload = state_->offload;
     o3.nvme = state_->nvme;
     o3.param_swap = state_->param_swap;
+    o3.unit_names = config_.zero.unit_names;
     std::vector<zero::Stage3::Group> g3;
     for (auto& g : groups) g3.push_back({std::move(g.params), std::move(g.names), std::move(g.optimizer)});
     state_->zero = std::make_unique<zero::Stage3>(sc, module, std::move(g3), o3, state_->init_shards);

@@ -20,6 +20,7 @@
 #include "engine/memory_tracker.h"
 #include "engine/zero/init.h"
 #include "engine/zero/sharded.h"
+#include "engine/zero/touch.h"
 
 namespace zeal::detail {
 namespace {
@@ -74,11 +75,12 @@ PrepareMemory predict_prepare_memory(torch::nn::Module& module, zero::InitShards
     }
     m.largest_layer = std::max(m.largest_layer, own);
   }
-  // Stage 3's units: the root (whatever no zeal::Sharded holds), then each Sharded block.
+  // Stage 3's units: the root (whatever no unit holds), then each Sharded block and each module whose
+  // type zero_optimization.unit_names names.
   std::unordered_set<const void*> in_blocks;
   std::vector<int64_t> blocks;
   for (const auto& sub : module.modules(/*include_self=*/false)) {
-    if (!dynamic_cast<ShardedBase*>(sub.get())) continue;
+    if (!dynamic_cast<ShardedBase*>(sub.get()) && !zero::unit_name_matches(sub->name(), c.zero.unit_names)) continue;
     int64_t n = 0;
     for (const auto& p : sub->parameters(true)) {
       const void* key = p.unsafeGetTensorImpl();

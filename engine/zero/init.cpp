@@ -1,4 +1,5 @@
 #include "engine/zero/init.h"
+#include "engine/zero/touch.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -26,18 +27,19 @@ thread_local InitContext* g_current = nullptr;
 
 int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
-void collect_root(torch::nn::Module& m, std::unordered_set<const void*>& out) {
+void collect_root(torch::nn::Module& m, const std::vector<std::string>& unit_names, std::unordered_set<const void*>& out) {
   for (const auto& p : m.named_parameters(/*recurse=*/false)) out.insert(p.value().unsafeGetTensorImpl());
   for (const auto& child : m.children()) {
-    if (!dynamic_cast<ShardedBase*>(child.get())) collect_root(*child, out);
+    if (!dynamic_cast<ShardedBase*>(child.get()) && !unit_name_matches(child->name(), unit_names))
+      collect_root(*child, unit_names, out);
   }
 }
 
 }  // namespace
 
-std::unordered_set<const void*> root_parameters(torch::nn::Module& model) {
+std::unordered_set<const void*> root_parameters(torch::nn::Module& model, const std::vector<std::string>& unit_names) {
   std::unordered_set<const void*> out;
-  collect_root(model, out);
+  collect_root(model, unit_names, out);
   return out;
 }
 

@@ -27,9 +27,9 @@ class ShardedBase;
 
 namespace zero {
 
-// Parameters (by TensorImpl) reachable from `model` without entering a Sharded member: the root
-// unit's, including any a Sharded member shares with the root.
-std::unordered_set<const void*> root_parameters(torch::nn::Module& model);
+// Parameters (by TensorImpl) reachable from `model` without entering a Sharded member or a module
+// whose type `unit_names` names: the root unit's, including any a unit shares with the root.
+std::unordered_set<const void*> root_parameters(torch::nn::Module& model, const std::vector<std::string>& unit_names = {});
 
 
 // The slices kept for partitioned parameters, by parameter.

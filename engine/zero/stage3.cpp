@@ -16,6 +16,7 @@
 #include <unordered_set>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "engine/error.h"
 #include "engine/zero/host_memory.h"
@@ -33,13 +34,16 @@ Stage3::Stage3(Communicator& comm, torch::nn::Module& model, std::vector<Group> 
   device_ = opts_.device;
   link_->stage = this;
   c10::NoGradGuard no_grad;
+  TouchPause pause;
   build_units(model, groups, init);
 }
 
 Stage3::~Stage3() {
+  touch_.reset();
+  TouchPause pause;
   link_->stage = nullptr;
   link_.reset();
-  for (auto* m : modules_) m->attach(nullptr, {});
+  for (auto& [m, i] : modules_) m->attach(nullptr, {});
   // Leave the model usable: every unit gathered. A collective, so only on an orderly shutdown; a
   // rank that cannot gather exits non-zero instead of leaving a model without values behind.
   if (std::uncaught_exceptions() == 0) {
@@ -63,43 +67,68 @@ Stage3::~Stage3() {
 }
 
 void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, const std::shared_ptr<InitShards>& init) {
-  // Units: the root, then every Sharded member in the model's (pre-)order.
+  // Units: the root, then every Sharded member and every module named by type, in the model's
+  // (pre-)order. A Sharded member's block is its member's unit already, whatever its type.
   units_.push_back(std::make_unique<Unit>(*this, 0, "(root)"));
-  std::vector<std::shared_ptr<ShardedBase>> sharded;
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-    if (auto s = std::dynamic_pointer_cast<ShardedBase>(item.value())) {
-      sharded.push_back(s);
-      modules_.push_back(s.get());
-      units_.push_back(std::make_unique<Unit>(*this, static_cast<int>(units_.size()), item.key()));
+  std::vector<std::shared_ptr<torch::nn::Module>> members;
+  std::vector<char> by_type;
+  std::unordered_set<const torch::nn::Module*> blocks;
+  const auto all = model.named_modules("", /*include_self=*/false);
+  for (const auto& item : all)
+    if (auto s = std::dynamic_pointer_cast<ShardedBase>(item.value())) blocks.insert(s->block().get());
+  std::vector<std::string> unmatched = opts_.unit_names;
+  auto matched = [&](const torch::nn::Module& m) {
+    if (!unit_name_matches(m.name(), opts_.unit_names)) return false;
+    std::erase_if(unmatched, [&](const std::string& n) { return unit_name_matches(m.name(), {n}); });
+    return true;
+  };
+  matched(model);  // the model's own type: the root unit
+  for (const auto& item : all) {
+    const auto& m = item.value();
+    auto s = std::dynamic_pointer_cast<ShardedBase>(m);
+    const bool named = matched(*m) && !blocks.count(m.get());
+    if (!s && !named) continue;
+    if (s) modules_.push_back({s.get(), static_cast<int>(units_.size())});
+    members.push_back(m);
+    by_type.push_back(s ? 0 : 1);
+    units_.push_back(std::make_unique<Unit>(*this, static_cast<int>(units_.size()), item.key()));
+  }
+  if (!unmatched.empty()) {
+    std::vector<std::string> types;
+    for (const auto& item : all) {
+      if (std::find(types.begin(), types.end(), item.value()->name()) == types.end()) types.push_back(item.value()->name());
     }
+    throw Error(fmt::format("zero_optimization.unit_names (fsdp_transformer_layer_cls_to_wrap): {} names no module of "
+                            "the model; its module types are: {}",
+                            fmt::join(unmatched, ", "), fmt::join(types, ", ")));
   }
-  if (sharded.empty()) {
-    log::warning("stage 3 found no zeal::Sharded member in the model: it trains as one unit that stays gathered, "
-                 "which saves optimizer and gradient memory but no parameter memory");
+  if (members.empty()) {
+    log::warning("stage 3 found no zeal::Sharded member in the model and zero_optimization.unit_names names none of "
+                 "its modules: it trains as one unit that stays gathered, which saves optimizer and gradient memory "
+                 "but no parameter memory");
   }
-  // Each parameter belongs to the innermost Sharded member holding it; one held by two members
-  // neither of which contains the other (tied across units) is refused. A parameter the root uses
-  // directly as well (an LM head tied to the embedding) stays in the root: the root runs outside
-  // every unit's forward.
-  const std::unordered_set<const void*> in_root = root_parameters(model);
+  // Each parameter belongs to the innermost unit holding it; one held by two units neither of which
+  // contains the other (tied across units) is refused. A parameter the root uses directly as well
+  // (an LM head tied to the embedding) stays in the root: the root runs outside every unit's forward.
+  const std::unordered_set<const void*> in_root = root_parameters(model, opts_.unit_names);
   std::unordered_map<const void*, int> owner;
-  std::vector<std::vector<int>> inside(sharded.size());  // Sharded members nested in each
-  for (size_t u = 0; u < sharded.size(); ++u) {
-    for (const auto& m : sharded[u]->modules(false)) {
-      for (size_t v = 0; v < sharded.size(); ++v)
-        if (sharded[v].get() == m.get()) inside[u].push_back(static_cast<int>(v));
+  std::vector<std::vector<int>> inside(members.size());  // units nested in each
+  for (size_t u = 0; u < members.size(); ++u) {
+    for (const auto& m : members[u]->modules(false)) {
+      for (size_t v = 0; v < members.size(); ++v)
+        if (members[v].get() == m.get()) inside[u].push_back(static_cast<int>(v));
     }
   }
-  for (size_t u = 0; u < sharded.size(); ++u) {
-    for (const auto& item : sharded[u]->named_parameters(true)) {
+  for (size_t u = 0; u < members.size(); ++u) {
+    for (const auto& item : members[u]->named_parameters(true)) {
       const void* key = item.value().unsafeGetTensorImpl();
       auto it = owner.find(key);
       if (it != owner.end() && !in_root.count(key)) {
         const int prev = it->second - 1;
         const bool nested = std::find(inside[prev].begin(), inside[prev].end(), static_cast<int>(u)) != inside[prev].end();
         if (!nested) {
-          throw Error(fmt::format("stage 3: parameter '{}' is used by the Sharded members '{}' and '{}'; a parameter "
-                                  "shared by two units (tied weights) must live outside both, in the root unit",
+          throw Error(fmt::format("stage 3: parameter '{}' is used by the units '{}' and '{}'; a parameter shared by two "
+                                  "units (tied weights) must live outside both, in the root unit",
                                   item.key(), units_[prev + 1]->name(), units_[u + 1]->name()));
         }
       }
@@ -314,7 +343,26 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
       }));
     }
   }
-  for (size_t i = 0; i < modules_.size(); ++i) modules_[i]->attach(units_[i + 1].get(), link_);
+  for (auto& [m, i] : modules_) m->attach(units_[i].get(), link_);
+
+  // Units by type name are gathered when an op first reads them (touch.h); the persistent ones
+  // never leave.
+  std::vector<std::pair<const c10::StorageImpl*, Unit*>> watched;
+  int named = 0;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (!by_type[i]) continue;
+    ++named;
+    Unit* u = units_[i + 1].get();
+    if (u->persistent()) continue;
+    for (const Unit::Part* part : {&u->train_, &u->frozen_})
+      if (part->layout) watched.emplace_back(part->full.storage().unsafeGetStorageImpl(), u);
+  }
+  if (named > 0) {
+    log::info("stage 3: {} units by type name ({}); each is gathered when an op first reads its parameters and "
+              "released when the thread moves on to another",
+              named, fmt::join(opts_.unit_names, ", "));
+  }
+  if (!watched.empty()) touch_ = std::make_unique<TouchWatch>(*this, std::move(watched));
 }
 
 void Stage3::begin_micro_step(bool /*sync*/) {
@@ -322,6 +370,41 @@ void Stage3::begin_micro_step(bool /*sync*/) {
   // micro-step would take back the memory sharding saves.
   check_abandoned_backward();
   pass_ended_ = false;
+}
+
+// --- units by type name --------------------------------------------------------------------------
+
+void Stage3::touched(const std::vector<Unit*>& units, bool in_backward) {
+  std::vector<Unit*> use;  // engine.gathered() holds the others; the persistent ones stay
+  for (Unit* u : units)
+    if (!u->persistent() && u->holds_ == 0) use.push_back(u);
+  auto was_touched = [&](const Unit* u) { return std::find(touched_.begin(), touched_.end(), u) != touched_.end(); };
+  bool changed = false;
+  for (Unit* u : use) changed = changed || !was_touched(u) || u->state() == Unit::State::kReleased ||
+                                u->state() == Unit::State::kGathering;
+  if (!changed) return;
+  const bool training = in_backward || at::GradMode::is_enabled();
+  if (in_backward) {
+    on_backward_event();  // the end of this backward releases every unit and reduces what is left
+  } else {
+    check_abandoned_backward();
+  }
+  c10::NoGradGuard no_grad;
+  // The thread moved on: the units it used before and this op does not use go, unless a training
+  // forward uses them again soon (stage3_max_reuse_distance).
+  for (Unit* prev : touched_) {
+    if (std::find(use.begin(), use.end(), prev) != use.end()) continue;
+    if (!in_backward && training && fetch_->reused_soon(*prev)) continue;
+    prev->release();
+  }
+  const char* phase = in_backward ? "gathered on touch in the backward" : "gathered on touch";
+  for (Unit* u : use) {
+    const bool fresh = !was_touched(u) || u->state() == Unit::State::kReleased;
+    u->gather(false, phase);
+    if (fresh) fetch_->on_fetch(*u, training ? FetchCoordinator::Pass::kTraining : FetchCoordinator::Pass::kNoGrad);
+  }
+  for (Unit* u : use) u->wait_gather();
+  touched_ = std::move(use);
 }
 
 // --- reductions ----------------------------------------------------------------------------------
@@ -383,6 +466,8 @@ void Stage3::end_backward() {
 }
 
 void Stage3::end_of_backward() {
+  touched_.clear();
+  TouchPause pause;
   c10::NoGradGuard no_grad;
   // Units whose inputs needed no gradient (no identity on their inputs fired) end their backward
   // now; units whose gradients did not all come are complete with zeros for the rest.
@@ -410,6 +495,8 @@ void Stage3::end_of_backward() {
 // in flight (every rank issued them), drop the staged gradients, release the units and make the next
 // optimizer step a skipped one.
 void Stage3::abandon_backward() {
+  touched_.clear();
+  TouchPause pause;
   c10::NoGradGuard no_grad;
   for (auto& [u, w] : in_flight_) {
     try {
@@ -440,6 +527,8 @@ std::vector<ShardStep*> Stage3::shard_steps() {
 bool Stage3::sharded_grads() const { return comm_.world_size() > 1; }
 
 void Stage3::apply(double inv_scale, const std::vector<double>& lrs) {
+  touched_.clear();
+  TouchPause pause;
   c10::NoGradGuard no_grad;
   // A unit gathered now (a prefetch for the next eval pass, say) would hold the old values after
   // the update: release it; its next fetch gathers the new ones.
@@ -536,6 +625,7 @@ void Stage3::accumulate_swapped(const Unit& u, const at::Tensor& mine) {
 // --- gathered(), full gradients ------------------------------------------------------------------
 
 std::vector<int> Stage3::gather_units(const std::vector<at::Tensor>& params) {
+  TouchPause pause;
   check_abandoned_backward();
   comm_.check_agreement("engine.gathered()");
   c10::NoGradGuard no_grad;
@@ -565,6 +655,7 @@ bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
 }  // namespace
 
 void Stage3::release_units(const std::vector<int>& units, int modifier_rank) {
+  TouchPause pause;
   c10::NoGradGuard no_grad;
   for (int i : units) {
     Unit& u = *units_[i];
@@ -604,6 +695,7 @@ void Stage3::release_units(const std::vector<int>& units, int modifier_rank) {
 }
 
 at::Tensor Stage3::full_grad(const at::Tensor& param, double inv_scale) {
+  TouchPause pause;
   comm_.check_agreement("engine.full_grad()");
   c10::NoGradGuard no_grad;
   for (auto& u : units_) {
@@ -702,6 +794,7 @@ void Stage3::begin_state_access() {
 }
 
 void Stage3::open_group(int group) {
+  TouchPause pause;
   ZEAL_CHECK(open_ < 0 && group >= 0 && group < static_cast<int>(units_.size()))
       << "open_group(" << group << ") while group " << open_ << " is open";
   open_ = group;
@@ -709,6 +802,7 @@ void Stage3::open_group(int group) {
 }
 
 void Stage3::close_group(int group, bool changed) {
+  TouchPause pause;
   ZEAL_CHECK(open_ == group) << "close_group(" << group << "): group " << open_ << " is open";
   open_ = -1;
   Unit& u = *units_[group];
@@ -725,6 +819,7 @@ void Stage3::close_group(int group, bool changed) {
 }
 
 void Stage3::end_state_access(bool changed) {
+  TouchPause pause;
   if (open_ >= 0) close_group(open_, /*changed=*/false);  // an error left it open: it was not changed
   if (changed) {
     c10::NoGradGuard no_grad;

@@ -38,6 +38,7 @@
 #include "engine/zero/init.h"
 #include "engine/zero/offload_state.h"
 #include "engine/zero/shard_step.h"
+#include "engine/zero/touch.h"
 #include "engine/zero/unit.h"
 #include "engine/zero/zero_optimizer.h"
 
@@ -70,6 +71,8 @@ struct Stage3Options {
   std::shared_ptr<NvmeOffload> nvme;
   // offload_param.device nvme: the shards of units that are not persistent on disk.
   std::shared_ptr<ParamSwap> param_swap;
+  // zero_optimization.unit_names: modules of these types (touch.h's matching) are units too.
+  std::vector<std::string> unit_names;
 };
 
 // What a Sharded member and the autograd nodes reach: cleared when Stage3 goes, so a graph or a
@@ -86,7 +89,8 @@ class Stage3 final : public Sharding {
     std::unique_ptr<optim::Optimizer> optimizer;
   };
 
-  // Units are the Sharded members of `model` plus the root. Every trainable parameter is in exactly
+  // Units are the Sharded members of `model`, the modules whose type options.unit_names names (each
+  // gathered when an op first reads its parameters: touch.h), plus the root. Every trainable parameter is in exactly
   // one group; the others of the model are frozen. Rank 0's values are taken (broadcast), except
   // for parameters partitioned by engine.init, taken from `init` one unit at a time.
   Stage3(Communicator& comm, torch::nn::Module& model, std::vector<Group> groups, const Stage3Options& options,
@@ -126,6 +130,10 @@ class Stage3 final : public Sharding {
   const Stage3Options& options() const { return opts_; }
   const std::shared_ptr<Stage3Link>& link() const { return link_; }
 
+  // An op read the parameters of `units` (units by type name; touch.h): they are gathered, and the
+  // units the thread touched before that this op does not use are released.
+  void touched(const std::vector<Unit*>& units, bool in_backward);
+
   // From the units and the autograd hooks.
   void on_backward_event() { end_of_backward_.request(); }
   // Outside any backward: notices a backward that ended with an error.
@@ -157,7 +165,9 @@ class Stage3 final : public Sharding {
   std::shared_ptr<Stage3Link> link_ = std::make_shared<Stage3Link>();
   std::vector<std::unique_ptr<Unit>> units_;
   int open_ = -1;  // the state group open now (open_group)
-  std::vector<ShardedBase*> modules_;
+  std::vector<std::pair<ShardedBase*, int>> modules_;  // each Sharded member and its unit
+  std::unique_ptr<TouchWatch> touch_;                   // units by type name that are not persistent
+  std::vector<Unit*> touched_;                          // the units by type name the last touch used
   std::unique_ptr<FetchCoordinator> fetch_;
   std::vector<ShardStep> steps_;  // one per optimizer group
   // Units with trainable parameters in the order their reductions are launched: the last first, the

@@ -14,6 +14,7 @@
 #include "engine/zero/flat_params.h"
 #include "engine/zero/host_memory.h"
 #include "engine/zero/stage3.h"
+#include "engine/zero/touch.h"
 
 namespace zeal::zero {
 
@@ -71,6 +72,7 @@ at::Tensor Unit::build(Part& part, bool same_everywhere) {
 }
 
 void Unit::gather(bool wait, const char* phase) {
+  TouchPause pause;
   if (state_ == State::kReleased) {
     Communicator& comm = owner_.comm();
     CollectiveLabel label(comm, fmt::format("{}, {}", name_, phase));
@@ -94,6 +96,7 @@ void Unit::gather(bool wait, const char* phase) {
 }
 
 void Unit::wait_gather() {
+  TouchPause pause;
   if (pending_.empty()) {
     if (state_ == State::kGathering) state_ = State::kGathered;
     return;
