@@ -39,6 +39,7 @@
 #include "engine/log.h"
 #include "engine/peft/slots.h"
 #include "engine/zero/sharded.h"
+#include "engine/zero/touch.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -513,7 +514,19 @@ PeftModel get_peft_model(std::shared_ptr<torch::nn::Module> model, const LoraCon
   }
   for (auto& [path, m] : saved) {
     pm.saved_modules_.push_back(path);
-    for (auto& p : m->parameters(true)) p.requires_grad_(true);
+    for (auto& p : m->parameters(true)) {
+      if (p.has_storage() && p.storage().nbytes() < p.nbytes()) {
+        throw Error(fmt::format("get_peft_model: modules_to_save's '{}' holds only this rank's slices (built partitioned "
+                                "by engine.init inside a zeal::Sharded unit), so its original values cannot be kept; "
+                                "keep it outside the Sharded members",
+                                path));
+      }
+      // The original beside the trained copy (PEFT's ModulesToSaveWrapper): the module itself trains,
+      // its values as they are now come back under disable_adapter() and in save_merged.
+      c10::NoGradGuard no_grad;
+      pm.originals_.push_back({p, p.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)});
+      p.requires_grad_(true);
+    }
   }
   return pm;
 }
@@ -696,9 +709,22 @@ void PeftModel::load_adapter(const std::string& dir, Engine* engine) {
 PeftModel::DisabledAdapters::DisabledAdapters(const PeftModel* m) : m_(m) {
   for (const auto& l : m_->linears_)
     if (auto p = l.lock()) detail::set_active(p.get(), false);
+  // The modules to save take their original values for the scope (the trained values stay where
+  // they are: in the engine's shards, or as this parameter's data, put back at the end).
+  for (const auto& [p, original] : m_->originals_) {
+    at::Tensor param = p;
+    swapped_.push_back({param.variable_data(), param.requires_grad()});
+    param.set_data(original.to(param.device(), param.scalar_type(), /*non_blocking=*/false, /*copy=*/true));
+    param.requires_grad_(false);
+  }
 }
 
 PeftModel::DisabledAdapters::~DisabledAdapters() {
+  for (size_t i = 0; i < swapped_.size(); ++i) {
+    at::Tensor param = m_->originals_[i].first;
+    param.set_data(swapped_[i].first);
+    param.requires_grad_(swapped_[i].second);
+  }
   if (m_->merged_) return;
   for (const auto& l : m_->linears_)
     if (auto p = l.lock()) detail::set_active(p.get(), true);
@@ -740,6 +766,7 @@ std::shared_ptr<torch::nn::Module> PeftModel::merge_and_unload(Engine* engine) {
     }
   }
   merged_ = true;
+  originals_.clear();  // the merged model keeps the trained modules, as PEFT's merge_and_unload does
   return model_;
 }
 
@@ -754,10 +781,14 @@ int64_t PeftModel::save_merged(const std::string& dir, Engine* engine) const {
     }
     return false;
   };
-  // Parameters in groups of one stage-3 unit each (consecutive names under one Sharded prefix).
+  // Parameters in groups of one stage-3 unit each (consecutive names under one Sharded prefix, or
+  // under a module the engine's unit_names makes a unit).
   std::vector<std::string> unit_prefixes;
-  for (const auto& item : model_->named_modules("", false))
-    if (dynamic_cast<const ShardedBase*>(item.value().get())) unit_prefixes.push_back(item.key() + ".");
+  const std::vector<std::string> unit_names = engine ? engine->config().zero.unit_names : std::vector<std::string>{};
+  for (const auto& item : model_->named_modules("", false)) {
+    if (dynamic_cast<const ShardedBase*>(item.value().get()) || zero::unit_name_matches(item.value()->name(), unit_names))
+      unit_prefixes.push_back(item.key() + ".");
+  }
   auto unit_of = [&](const std::string& name) {
     std::string best;
     for (const auto& p : unit_prefixes)
@@ -772,9 +803,17 @@ int64_t PeftModel::save_merged(const std::string& dir, Engine* engine) const {
   };
   std::vector<Item> items;
   std::unordered_set<const void*> seen;
+  // The modules to save as they were (their originals), until merged.
+  std::unordered_map<const void*, const at::Tensor*> original_of;
+  for (const auto& [p, original] : originals_) original_of[p.unsafeGetTensorImpl()] = &original;
   for (const auto& item : model_->named_parameters(true)) {
     const std::string path = hf(item.key());
     if (is_adapter(path) || !seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    auto o = original_of.find(item.value().unsafeGetTensorImpl());
+    if (o != original_of.end()) {
+      items.push_back({path, o->second->to(item.value().scalar_type()), unit_of(item.key()), /*param=*/false});
+      continue;
+    }
     items.push_back({path, item.value(), unit_of(item.key())});
   }
   for (const auto& item : model_->named_buffers(true)) {

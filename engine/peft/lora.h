@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -100,7 +101,9 @@ class PeftModel {
   void load_adapter(const std::string& dir, Engine* engine = nullptr);
 
   // Turns the adapters off (the base model's output) while the guard lives, as PEFT's
-  // disable_adapter() context.
+  // disable_adapter() context: the adapted layers run without their adapters, and the modules to
+  // save run with their original values (kept beside the trained ones since get_peft_model, as
+  // PEFT's ModulesToSaveWrapper keeps original_module), frozen for the scope.
   class DisabledAdapters {
    public:
     explicit DisabledAdapters(const PeftModel* m);
@@ -110,6 +113,7 @@ class PeftModel {
 
    private:
     const PeftModel* m_;
+    std::vector<std::pair<at::Tensor, bool>> swapped_;  // each saved parameter's own data, requires_grad
   };
   [[nodiscard]] DisabledAdapters disable_adapter() const { return DisabledAdapters(this); }
 
@@ -121,8 +125,10 @@ class PeftModel {
   // an engine. Returns the model.
   std::shared_ptr<torch::nn::Module> merge_and_unload(Engine* engine = nullptr);
   // The model's weights without the adapters, as model.safetensors (Hugging Face names), streamed
-  // one stage-3 unit at a time (each gathered, written by the main process, released). Call after
-  // merge_and_unload for the merged model. Collective with an engine. Returns the file's bytes.
+  // one stage-3 unit at a time (each gathered, written by the main process, released): the base
+  // model, the modules to save with their original values. Call after merge_and_unload for the
+  // merged model (then the modules to save are the trained ones, as PEFT's merge_and_unload keeps
+  // its trained copies). Collective with an engine. Returns the file's bytes.
   int64_t save_merged(const std::string& dir, Engine* engine = nullptr) const;
 
  private:
@@ -131,6 +137,8 @@ class PeftModel {
   LoraConfig config_;
   std::vector<std::string> adapted_;
   std::vector<std::string> saved_modules_;  // modules_to_save's matched paths
+  // modules_to_save: each parameter and its original values (host memory, whole), until merged.
+  std::vector<std::pair<at::Tensor, at::Tensor>> originals_;
   std::vector<std::weak_ptr<torch::nn::Module>> linears_;  // the adapted Linear modules
   bool merged_ = false;
 };

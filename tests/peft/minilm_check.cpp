@@ -3,8 +3,9 @@
 //   minilm_check embed MODEL_DIR SENTENCES OUT.json    token ids and sentence embeddings
 //   minilm_check train MODEL_DIR SENTENCES OUT_DIR     (under zeal launch, any stage): LoRA on
 //       query/value + the classifier as a module to save, 20 AdamW steps on fixed batches; writes
-//       OUT_DIR/initial (the adapter before training), OUT_DIR/final, losses.json, logits.json
-//       and OUT_DIR/export (engine.save_model)
+//       OUT_DIR/initial (the adapter before training), OUT_DIR/final, result.json (losses, logits,
+//       and the logits under disable_adapter()), OUT_DIR/export (engine.save_model) and OUT_DIR/base
+//       (save_merged before merging: the base model, the classifier's original values)
 //   minilm_check eval MODEL_DIR SENTENCES ADAPTER OUT.json   logits with an adapter Python saved
 //   minilm_check export MODEL_DIR SENTENCES OUT_DIR    (under zeal launch): two full fine-tuning
 //       steps, then engine.save_model into OUT_DIR/export; logits in result.json
@@ -172,13 +173,26 @@ int main(int argc, char** argv) {
     }
     peft.save_pretrained(out + "/final", &engine);
     engine.save_model(out + "/export");  // the base model's names, no adapter tensors
-    at::Tensor logits;
+    peft.save_merged(out + "/base", &engine);  // the base model: the classifier as it was before training
+    at::Tensor logits, disabled;
     {
       c10::NoGradGuard ng;
       const Batch b = encode(tok, sentences, 0, kBatch);
       logits = m->forward(b.ids, b.mask);
+      auto off = peft.disable_adapter();  // no adapters, the classifier's original values
+      disabled = m->forward(b.ids, b.mask);
     }
-    if (engine.is_main_process()) std::ofstream(out + "/result.json") << json{{"losses", losses}, {"logits", to_json(logits)}}.dump();
+    at::Tensor again;  // the trained classifier back after the scope
+    {
+      c10::NoGradGuard ng;
+      const Batch b = encode(tok, sentences, 0, kBatch);
+      again = m->forward(b.ids, b.mask);
+    }
+    if (!at::equal(again, logits)) throw zeal::Error("the logits after disable_adapter()'s scope differ from before it");
+    if (engine.is_main_process()) {
+      std::ofstream(out + "/result.json")
+          << json{{"losses", losses}, {"logits", to_json(logits)}, {"disabled_logits", to_json(disabled)}}.dump();
+    }
     engine.wait_for_everyone();
   } catch (const std::exception& e) {
     std::cerr << "minilm_check: " << e.what() << "\n";

@@ -132,6 +132,12 @@ z0_dir, z0 = run_zeal("stage0", 1, "configs/single_process.yaml", 29541)
 z3_dir, z3 = run_zeal("stage3", 2, "configs/zero3.yaml", 29542)
 
 pm = peft.PeftModel.from_pretrained(python_model(), os.path.join(z0_dir, "initial"), is_trainable=True)
+# The classifier's original (peft's ModulesToSaveWrapper.original_module) is zeal's as it was before
+# training: the trained copy's initial values, which the initial adapter file holds.
+with torch.no_grad():
+    wrapper = pm.base_model.model.classifier
+    for name, p in wrapper.original_module.named_parameters():
+        p.copy_(dict(wrapper.modules_to_save["default"].named_parameters())[name])
 pm.train()
 opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
 py_losses = []
@@ -159,6 +165,14 @@ d = (zeal_in_py - tensor(z0["logits"])).abs().max().item()
 check(d <= 1e-5, f"peft loads zeal's adapter and gives zeal's logits (max |difference| {d:.2e})")
 d3 = (tensor(z3["logits"]) - tensor(z0["logits"])).abs().max().item()
 check(d3 <= 1e-4, f"stage 3 on 2 ranks gives stage 0's logits (max |difference| {d3:.2e})")
+# disable_adapter(): no adapters and the classifier's original values, as peft's context gives.
+with torch.no_grad(), pm.disable_adapter():
+    py_disabled = pm(input_ids=i, attention_mask=msk).logits.double()
+moved = (py_disabled - py_logits).abs().max().item()
+check(moved > 1e-2, f"training moved the logits away from the disabled model's ({moved:.2e}), so the next checks can fail")
+for name, r in (("stage 0", z0), ("stage 3", z3)):
+    dd = (tensor(r["disabled_logits"]) - py_disabled).abs().max().item()
+    check(dd <= 1e-4, f"zeal {name}: disable_adapter() gives peft's disable_adapter() logits (max |difference| {dd:.2e})")
 
 # --- exports (engine.save_model) in transformers ---------------------------------------------------
 # A model whose encoder layers are zeal::Sharded units, exported after training: transformers loads
@@ -194,6 +208,14 @@ for name, d_dir, r in (("stage 0", z0_dir, z0), ("stage 3", z3_dir, z3)):
         got = lm(input_ids=i, attention_mask=msk).logits.double()
     d = (got - tensor(r["logits"])).abs().max().item()
     check(d <= 1e-5, f"LoRA {name}: the export plus peft's adapter gives zeal's logits (max |difference| {d:.2e})")
+
+# save_merged before merging: the base model, the classifier's original values (transformers loads
+# it and gives the disabled model's logits).
+for name, d_dir in (("stage 0", z0_dir), ("stage 3", z3_dir)):
+    with torch.no_grad():
+        got = load_export(os.path.join(d_dir, "base"))(input_ids=i, attention_mask=msk).logits.double()
+    d = (got - py_disabled).abs().max().item()
+    check(d <= 1e-4, f"{name}: save_merged's base model in transformers gives the disabled model's logits (max |difference| {d:.2e})")
 
 py_dir = os.path.join(work, "python_adapter")
 pm.save_pretrained(py_dir)
