@@ -10,6 +10,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/schedulers/step_lr.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -22,6 +24,7 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "engine/resident.h"
 #include "engine/runtime/runtime.h"
 #include "engine/optim/optimizer.h"
 #include "engine/runtime/spawn.h"
@@ -230,7 +233,9 @@ inline Setup make_setup(const RunSpec& s, const std::function<TinyGpt()>& build 
 struct RunResult {
   // per rank; memory: params, grads, master, optimizer states, frozen bytes, trainable count, then
   // stage 3's unit gathers, prefetches and re-traces, offload host and disk bytes, shards read
-  // ahead from disk and of those waited for
+  // ahead from disk and of those waited for (all as the engine counts them), then measured from
+  // outside: the bytes of this rank's swap files on disk (their sizes) and the resident set at the
+  // end (freed blocks returned to the system first)
   std::vector<at::Tensor> params, skipped, scales, memory, trajectory;
   std::vector<int64_t> forwards;  // per rank: forwards of all blocks (recomputations included)
   at::Tensor losses, norms;
@@ -297,6 +302,20 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
   for (auto& b : m->blocks) forwards += b->inner->forwards;
   write_tensor(dir + "/forwards_" + me, at::tensor({static_cast<double>(forwards)}, at::kDouble));
   const zeal::MemoryReport mem = engine.memory();
+  // The swap files this rank wrote (<nvme_path>/<run>/rank<r>/*.swp), by their sizes on disk.
+  double swap_bytes = 0;
+  std::vector<std::string> roots;
+  if (!s.nvme_path.empty()) roots.push_back(s.nvme_path);
+  if (!s.param_nvme_path.empty() && s.param_nvme_path != s.nvme_path) roots.push_back(s.param_nvme_path);
+  for (const std::string& root : roots) {
+    std::error_code ec;
+    for (auto it = std::filesystem::recursive_directory_iterator(root, ec); !ec && it != std::filesystem::end(it); it.increment(ec)) {
+      if (it->is_regular_file() && it->path().extension() == ".swp" && it->path().parent_path().filename() == "rank" + me)
+        swap_bytes += static_cast<double>(it->file_size());
+    }
+  }
+  ::malloc_trim(0);
+  const double resident = static_cast<double>(zeal::detail::resident_bytes());
   const auto fetches = engine.fetch_counts();
   const auto disk_reads = engine.param_disk_reads();
   write_tensor(dir + "/memory_" + me,
@@ -305,7 +324,8 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
                                               double(engine.num_trainable_parameters()), double(fetches.gathers),
                                               double(fetches.prefetched), double(fetches.retraced),
                                               double(mem.offload_host), double(mem.offload_disk),
-                                              double(disk_reads.ahead), double(disk_reads.waited)},
+                                              double(disk_reads.ahead), double(disk_reads.waited), swap_bytes,
+                                              resident},
                           at::kDouble));
   if (engine.is_main_process()) {
     write_tensor(dir + "/losses", at::tensor(losses, at::kDouble));

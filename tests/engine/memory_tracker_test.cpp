@@ -125,7 +125,7 @@ TEST(MemoryTracker, NestedPhasesKeepTheirOwnPeaks) {
 // resident sets read here just before and just after the engine was made, the peak is at least the
 // resident set read here at the end, the engine's parts fit under the peak (the remainder is not
 // negative), and nothing named is negative.
-TEST(MemoryTracker, BreakdownAddsUpToTheMeasuredPeak) {
+TEST(MemoryTracker, BreakdownFitsUnderTheMeasuredPeak) {
   for (int stage : {0, 3}) {
     SCOPED_TRACE("stage " + std::to_string(stage));
     auto results = zeal::spawn(
@@ -151,9 +151,13 @@ TEST(MemoryTracker, BreakdownAddsUpToTheMeasuredPeak) {
           const auto& r = phase.end(false);
           const auto parts = r.breakdown();
           check(r.cpu.peak >= rss_at_end, "the peak is at least the resident set read at the end");
-          int64_t sum = 0;
-          for (const auto& p : parts) sum += p.bytes;
-          check(sum == r.cpu.peak, "the parts add up to the measured peak");
+          // The peak is the kernel's high-water mark of the phase, read here from /proc too (the
+          // tracker resets it when the phase begins, so it can be no higher now).
+          const int64_t hwm = zeal::detail::resident_peak_bytes();
+          check(r.cpu.peak <= hwm + kMiB, "the peak (" + std::to_string(r.cpu.peak) + ") is at most VmHWM now (" +
+                                              std::to_string(hwm) + ")");
+          // The parts are the engine's counts and a remainder ("activations and the rest", the peak less
+          // the others): what can fail is that the counted parts exceed the measured peak (checked below).
           check(parts.front().name == "runtime" && parts.front().bytes >= rss_before_engine - kMiB &&
                     parts.front().bytes <= rss_after_engine + kMiB,
                 "the runtime's baseline (" + std::to_string(parts.front().bytes) + ") is the resident set when the engine "

@@ -55,6 +55,17 @@ void expect_bit_identical(const RunResult& plain, const RunResult& off) {
   EXPECT_TRUE(at::equal(plain.norms, off.norms));
 }
 
+// The bytes on disk the engine counts against the sizes of the rank's swap files, read from the
+// file system (so the disk checks below hold for the files, not only for the engine's count).
+void expect_disk_as_counted(const RunResult& off) {
+  for (size_t r = 0; r < off.memory.size(); ++r) {
+    const double counted = off.memory[r][10].item<double>(), measured = off.memory[r][13].item<double>();
+    EXPECT_GT(measured, 0) << "rank " << r << ": no swap file on disk";
+    EXPECT_EQ(measured, counted) << "rank " << r << ": the swap files hold " << measured << " bytes, the engine counts "
+                                 << counted;
+  }
+}
+
 class OffloadCpu : public ::testing::TestWithParam<OffloadCase> {};
 
 TEST_P(OffloadCpu, TrainsBitIdenticalToNoOffload) {
@@ -134,6 +145,7 @@ TEST_P(OffloadNvme, TrainsBitIdenticalToNoOffload) {
   const int saved_err = ::dup(2), err_fd = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   ::dup2(err_fd, 2);
   const RunResult off = run_engine(s, "nvme_on");
+  expect_disk_as_counted(off);
   std::fflush(stderr);
   ::dup2(saved_err, 2);
   ::close(saved_err);
@@ -243,6 +255,7 @@ TEST_P(OffloadParamNvme, TrainsBitIdenticalToNoOffload) {
   if (c.optimizer == "cpu") s.offload = true;
   if (c.threads) ::setenv("ZEAL_OFFLOAD_IO", "threads", 1);
   const RunResult off = run_engine(s, "param_nvme_on");
+  expect_disk_as_counted(off);
   ::unsetenv("ZEAL_OFFLOAD_IO");
   expect_bit_identical(plain, off);
   const ShardSizes z = shard_sizes(s, c.precision == "no" ? 4 : 2);
@@ -315,6 +328,7 @@ TEST(OffloadParamNvme, MaxInCpuKeepsTheFirstUnitsThatFitInMemory) {
   s.param_nvme_path = dir.string();
   s.param_max_in_cpu = 2 * ((block_elems + s.world - 1) / s.world);
   const RunResult off = run_engine(s, "param_cpu_max_on");
+  expect_disk_as_counted(off);
   expect_bit_identical(plain, off);
   auto on_disk = [](double b) { return b == 0 ? 0.0 : std::ceil(b / 4096) * 4096; };
   double in_memory = shards[0].first + shards[1].first + shards[2].first, disk = 0;
