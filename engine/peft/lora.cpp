@@ -710,7 +710,9 @@ PeftModel::DisabledAdapters::DisabledAdapters(const PeftModel* m) : m_(m) {
   for (const auto& l : m_->linears_)
     if (auto p = l.lock()) detail::set_active(p.get(), false);
   // The modules to save take their original values for the scope (the trained values stay where
-  // they are: in the engine's shards, or as this parameter's data, put back at the end).
+  // they are: in the engine's shards, or as this parameter's data, put back at the end). Swapping a
+  // parameter's data reads and writes no unit's values.
+  zero::TouchPause pause;
   for (const auto& [p, original] : m_->originals_) {
     at::Tensor param = p;
     swapped_.push_back({param.variable_data(), param.requires_grad()});
@@ -720,6 +722,7 @@ PeftModel::DisabledAdapters::DisabledAdapters(const PeftModel* m) : m_(m) {
 }
 
 PeftModel::DisabledAdapters::~DisabledAdapters() {
+  zero::TouchPause pause;
   for (size_t i = 0; i < swapped_.size(); ++i) {
     at::Tensor param = m_->originals_[i].first;
     param.set_data(swapped_[i].first);

@@ -374,7 +374,17 @@ void Stage3::begin_micro_step(bool /*sync*/) {
 
 // --- units by type name --------------------------------------------------------------------------
 
-void Stage3::touched(const std::vector<Unit*>& units, bool in_backward) {
+void Stage3::touched(const std::vector<Unit*>& units, const std::vector<Unit*>& written, const std::string& op,
+                     bool in_backward) {
+  std::lock_guard lock(touch_mu_);
+  for (Unit* u : written) {
+    if (u->holds_ > 0) continue;
+    throw Error(fmt::format("{} writes the parameters of stage-3 unit '{}' (a unit by type name, unit_names) outside "
+                            "engine.gathered(params, modifier_rank): the write would go into a gathered copy that the "
+                            "next release drops; change parameters of a prepared stage-3 model inside "
+                            "engine.gathered(params, /*modifier_rank=*/0) on every rank",
+                            op, u->name()));
+  }
   std::vector<Unit*> use;  // engine.gathered() holds the others; the persistent ones stay
   for (Unit* u : units)
     if (!u->persistent() && u->holds_ == 0) use.push_back(u);

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -130,9 +131,11 @@ class Stage3 final : public Sharding {
   const Stage3Options& options() const { return opts_; }
   const std::shared_ptr<Stage3Link>& link() const { return link_; }
 
-  // An op read the parameters of `units` (units by type name; touch.h): they are gathered, and the
-  // units the thread touched before that this op does not use are released.
-  void touched(const std::vector<Unit*>& units, bool in_backward);
+  // An op (`op`) read the parameters of `units` (units by type name; touch.h): they are gathered,
+  // and the units the thread touched before that this op does not use are released. An op that
+  // writes the parameters of a unit in `written` that engine.gathered() does not hold is refused.
+  void touched(const std::vector<Unit*>& units, const std::vector<Unit*>& written, const std::string& op,
+               bool in_backward);
 
   // From the units and the autograd hooks.
   void on_backward_event() { end_of_backward_.request(); }
@@ -168,6 +171,7 @@ class Stage3 final : public Sharding {
   std::vector<std::pair<ShardedBase*, int>> modules_;  // each Sharded member and its unit
   std::unique_ptr<TouchWatch> touch_;                   // units by type name that are not persistent
   std::vector<Unit*> touched_;                          // the units by type name the last touch used
+  std::mutex touch_mu_;  // touches from autograd's threads and the training thread, one at a time
   std::unique_ptr<FetchCoordinator> fetch_;
   std::vector<ShardStep> steps_;  // one per optimizer group
   // Units with trainable parameters in the order their reductions are launched: the last first, the

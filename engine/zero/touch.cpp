@@ -27,11 +27,20 @@ struct Watched {
   Unit* unit;
   std::thread::id thread;  // the thread that prepared the model
 };
+using Map = std::unordered_map<const c10::StorageImpl*, Watched>;
 
+// The watched storages: an immutable map replaced whole when a watch begins or ends (at prepare and
+// when the engine goes), read by every op through one atomic load. Replaced maps are kept (a few per
+// engine, small): an op that loaded one just before may still be reading it.
 struct Registry {
-  std::mutex mu;
-  std::unordered_map<const c10::StorageImpl*, Watched> units;
-  std::atomic<int64_t> watched{0};
+  std::mutex mu;  // serializes the replacements
+  std::vector<std::unique_ptr<const Map>> maps{};
+  std::atomic<const Map*> map{nullptr};
+  void publish(Map next) {
+    maps.push_back(std::make_unique<const Map>(std::move(next)));
+    map.store(maps.back()->empty() ? nullptr : maps.back().get(), std::memory_order_release);
+  }
+  Map current() const { return maps.empty() ? Map{} : *maps.back(); }
 };
 
 Registry& registry() {
@@ -40,56 +49,70 @@ Registry& registry() {
 }
 
 thread_local bool paused = false;
+thread_local int watches_here = 0;  // watches made on this thread and alive
 
-using Hits = std::vector<std::pair<Stage3*, Unit*>>;
+struct Hit {
+  Stage3* owner;
+  Unit* unit;
+  bool written;  // an argument the op writes (schema alias annotation `!`) is in this unit
+};
 
 // A watched unit's storage among an op's tensors. Only ops of the thread that prepared the model and
 // of autograd's backward count: the dispatch state is also inherited by threads that only move the
 // units' bytes (c10d's gloo workers filling a gather), which must never gather anything themselves.
-void look_up(Registry& r, const at::Tensor& t, bool in_backward, Hits& hits) {
+void look_up(const Map& m, const at::Tensor& t, bool in_backward, bool written, std::vector<Hit>& hits) {
   if (!t.defined() || !t.has_storage()) return;
-  auto it = r.units.find(t.storage().unsafeGetStorageImpl());
-  if (it == r.units.end()) return;
+  auto it = m.find(t.storage().unsafeGetStorageImpl());
+  if (it == m.end()) return;
   if (!in_backward && it->second.thread != std::this_thread::get_id()) return;
-  const std::pair<Stage3*, Unit*> hit{it->second.owner, it->second.unit};
-  if (std::find(hits.begin(), hits.end(), hit) == hits.end()) hits.push_back(hit);
+  for (auto& h : hits) {
+    if (h.unit == it->second.unit) {
+      h.written = h.written || written;
+      return;
+    }
+  }
+  hits.push_back({it->second.owner, it->second.unit, written});
 }
 
-void look_up(Registry& r, const c10::IValue& v, bool in_backward, Hits& hits) {
+void look_up(const Map& m, const c10::IValue& v, bool in_backward, bool written, std::vector<Hit>& hits) {
   if (v.isTensor()) {
-    look_up(r, v.toTensor(), in_backward, hits);
+    look_up(m, v.toTensor(), in_backward, written, hits);
   } else if (v.isTensorList()) {
-    for (const at::Tensor t : v.toTensorList()) look_up(r, t, in_backward, hits);
+    for (const at::Tensor t : v.toTensorList()) look_up(m, t, in_backward, written, hits);
   } else if (v.isList()) {  // Tensor?[] (index, and the like)
     for (const c10::IValue& e : v.toListRef())
-      if (e.isTensor()) look_up(r, e.toTensor(), in_backward, hits);
+      if (e.isTensor()) look_up(m, e.toTensor(), in_backward, written, hits);
   }
 }
 
 void touch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  Registry& r = registry();
-  if (!paused && r.watched.load(std::memory_order_relaxed) > 0) {
-    Hits hits;
-    const bool in_backward = torch::autograd::get_current_graph_task_id() >= 0;
-    {
-      const size_t n = op.schema().arguments().size();
-      std::lock_guard lock(r.mu);
-      for (size_t i = stack->size() - n; i < stack->size(); ++i) look_up(r, (*stack)[i], in_backward, hits);
-    }
-    if (!hits.empty()) {
-      TouchPause pause;
-      while (!hits.empty()) {  // one owner at a time (two engines in one process)
-        Stage3* owner = hits.front().first;
-        std::vector<Unit*> units;
-        for (auto it = hits.begin(); it != hits.end();) {
-          if (it->first != owner) {
-            ++it;
-            continue;
+  if (!paused) {
+    const Map* m = registry().map.load(std::memory_order_acquire);
+    if (m != nullptr) {
+      std::vector<Hit> hits;
+      const bool in_backward = torch::autograd::get_current_graph_task_id() >= 0;
+      const auto& args = op.schema().arguments();
+      const size_t n = args.size();
+      for (size_t i = 0; i < n; ++i) {
+        const bool written = args[i].alias_info() && args[i].alias_info()->isWrite();
+        look_up(*m, (*stack)[stack->size() - n + i], in_backward, written, hits);
+      }
+      if (!hits.empty()) {
+        TouchPause pause;
+        while (!hits.empty()) {  // one owner at a time (two engines in one process)
+          Stage3* owner = hits.front().owner;
+          std::vector<Unit*> units, written;
+          for (auto it = hits.begin(); it != hits.end();) {
+            if (it->owner != owner) {
+              ++it;
+              continue;
+            }
+            units.push_back(it->unit);
+            if (it->written) written.push_back(it->unit);
+            it = hits.erase(it);
           }
-          units.push_back(it->second);
-          it = hits.erase(it);
+          owner->touched(units, written, op.schema().name(), in_backward);
         }
-        owner->touched(units, in_backward);
       }
     }
   }
@@ -106,7 +129,8 @@ std::string without_impl(std::string s) {
 }  // namespace
 
 bool unit_name_matches(const std::string& type_name, const std::vector<std::string>& names) {
-  const size_t colon = type_name.rfind("::");
+  // The namespace ends at the last "::" before any template arguments (mylib::Block<mylib::Cfg>).
+  const size_t colon = type_name.rfind("::", type_name.find('<'));
   const std::string bare = colon == std::string::npos ? type_name : type_name.substr(colon + 2);
   for (const auto& n : names) {
     if (n == type_name || n == bare || n == without_impl(bare) || n == without_impl(type_name)) return true;
@@ -114,17 +138,20 @@ bool unit_name_matches(const std::string& type_name, const std::vector<std::stri
   return false;
 }
 
-TouchWatch::TouchWatch(Stage3& owner, std::vector<std::pair<const c10::StorageImpl*, Unit*>> storages) {
+TouchWatch::TouchWatch(Stage3& owner, std::vector<std::pair<const c10::StorageImpl*, Unit*>> storages)
+    : thread_(std::this_thread::get_id()) {
   Registry& r = registry();
   {
     std::lock_guard lock(r.mu);
+    Map next = r.current();
     for (const auto& [s, u] : storages) {
-      r.units[s] = {&owner, u, std::this_thread::get_id()};
+      next[s] = {&owner, u, thread_};
       storages_.push_back(s);
     }
+    r.publish(std::move(next));
   }
-  r.watched.fetch_add(static_cast<int64_t>(storages_.size()));
-  was_included_ = c10::impl::tls_is_dispatch_key_included(kKey);
+  // The key stays included while any watch made on this thread lives (two engines, in any order).
+  ++watches_here;
   c10::impl::tls_set_dispatch_key_included(kKey, true);
 }
 
@@ -132,10 +159,12 @@ TouchWatch::~TouchWatch() {
   Registry& r = registry();
   {
     std::lock_guard lock(r.mu);
-    for (const auto* s : storages_) r.units.erase(s);
+    Map next = r.current();
+    for (const auto* s : storages_) next.erase(s);
+    r.publish(std::move(next));
   }
-  r.watched.fetch_sub(static_cast<int64_t>(storages_.size()));
-  c10::impl::tls_set_dispatch_key_included(kKey, was_included_);
+  // On another thread the key stays on the preparing one, where the fallback finds nothing to do.
+  if (thread_ == std::this_thread::get_id() && --watches_here == 0) c10::impl::tls_set_dispatch_key_included(kKey, false);
 }
 
 TouchPause::TouchPause() : was_(paused) { paused = true; }

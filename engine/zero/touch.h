@@ -10,11 +10,14 @@
 // gathered (the all-gather it waits for, or a prefetch it finds in flight) and releases the watched
 // units the thread touched before that this op does not use — so a forward or a backward running
 // block after block holds one block (plus its prefetches), wherever the blocks sit in the model and
-// whatever calls them. Releasing early never costs correctness: a later op on a released unit gathers
-// it again.
+// whatever calls them. Releasing early never costs a read its correctness: a later op on a released
+// unit gathers it again. Writes are another matter: an op that writes a unit's parameters (copy_, an in-place op)
+// outside engine.gathered(params, modifier_rank) would write into a buffer the next release drops,
+// so it stops with an error naming the op and the unit.
 #pragma once
 
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -33,7 +36,7 @@ class Unit;
 bool unit_name_matches(const std::string& type_name, const std::vector<std::string>& names);
 
 // The watch over a set of units' full buffers (their storages), for the life of the object. Ops on
-// them on the constructing thread call owner.touched(units the op reads).
+// them on the constructing thread call owner.touched(units the op reads, those it writes, its name).
 class TouchWatch {
  public:
   TouchWatch(Stage3& owner, std::vector<std::pair<const c10::StorageImpl*, Unit*>> storages);
@@ -43,7 +46,7 @@ class TouchWatch {
 
  private:
   std::vector<const c10::StorageImpl*> storages_;
-  bool was_included_ = false;
+  std::thread::id thread_;
 };
 
 // The engine's own work on the units' buffers (gathers, steps, state access): ops under it are not

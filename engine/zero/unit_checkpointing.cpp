@@ -49,8 +49,9 @@ int apply_activation_checkpointing(torch::nn::Module& model, const ActivationChe
                 units.size(), config.unit_interval > 1 ? fmt::format(" (unit_interval {})", config.unit_interval) : "");
     }
     if (units.empty()) {
-      log::warning("activation_checkpointing is on, but the model has no zeal::Sharded member to checkpoint: hold its "
-                   "blocks as zeal::Sharded<Block>, or call zeal::checkpoint in its forward");
+      log::warning("activation_checkpointing is on, but the model has no zeal::Sharded member to checkpoint (units named "
+                   "by unit_names are not checkpointed): hold its blocks as zeal::Sharded<Block>, or call "
+                   "zeal::checkpoint in its forward");
     }
     if (config.cpu_checkpointing && !device.is_cuda()) {
       log::info("activation_checkpointing.cpu_checkpointing: these ranks compute on the CPU, so the checkpoints "
