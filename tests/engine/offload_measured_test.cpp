@@ -47,7 +47,8 @@ int64_t bytes_under(const fs::path& dir) {
   return n;
 }
 
-Measured run(const std::string& swap) {
+// swap: offload to nvme there; cpu: offload_optimizer and offload_param to cpu instead.
+Measured run(const std::string& swap, bool cpu = false) {
   const fs::path out = fs::temp_directory_path() / ("zeal_offload_measured_" + std::to_string(::getpid()));
   fs::create_directories(out);
   zeal::SpawnOptions so;
@@ -65,6 +66,10 @@ Measured run(const std::string& swap) {
           c.zero.offload_param.nvme_path = swap;
           c.zero.offload_param.max_in_cpu = 0;
           c.zero.sub_group_size = 1 << 18;  // windows of 256 Ki elements
+        }
+        if (cpu) {
+          c.zero.offload_optimizer.device = zeal::OffloadDevice::kCpu;
+          c.zero.offload_param.device = zeal::OffloadDevice::kCpu;
         }
         zeal::Engine engine(c, rt);
         torch::manual_seed(3);
@@ -119,6 +124,21 @@ TEST(OffloadMeasured, NvmeMovesTheStateOutOfTheResidentSetAndOntoTheDisk) {
   EXPECT_GE(nvme.disk, kWorld * disk_per_rank);
   EXPECT_LE(nvme.disk, 1.02 * kWorld * disk_per_rank + (4 << 20));  // 4 KiB blocks, padding to whole shards
   fs::remove_all(swap);
+}
+
+// On CPU ranks host memory is where they compute, so ds_zero3_cpu.yaml's offload to cpu must cost
+// nothing: the master is the fp32 parameters themselves and the step needs no staging copy. The
+// resident set after training equals the run without offload's, within the allocator's noise; a
+// second fp32 copy of a rank's half of the parameters (24 MiB here) would show.
+TEST(OffloadMeasured, CpuOffloadOnCpuRanksHoldsNoMoreThanNoOffload) {
+  const Measured plain = run(""), cpu = run("", /*cpu=*/true);
+  const double copy_per_rank = 4.0 * kParams / kWorld;  // one fp32 copy of a rank's half
+  for (int r = 0; r < kWorld; ++r) {
+    std::printf("[ metric ] rank %d: resident set after training %.1f MiB without offload, %.1f MiB with offload to "
+                "cpu (one fp32 copy of a rank's half of the parameters: %.1f MiB)\n",
+                r, plain.resident[r] / (1 << 20), cpu.resident[r] / (1 << 20), copy_per_rank / (1 << 20));
+    EXPECT_LT(cpu.resident[r], plain.resident[r] + 0.25 * copy_per_rank) << "rank " << r << ": offload to cpu costs memory";
+  }
 }
 
 }  // namespace
