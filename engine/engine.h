@@ -94,6 +94,17 @@ struct SaveModelOptions {
                                            // asks for 16-bit weights on save
                                            // (stage3_gather_16bit_weights_on_model_save), else fp32
   int64_t max_shard_size = 5'000'000'000;  // bytes per file
+  // For a model whose names or layouts differ from the format a reader expects (the inverse of
+  // load_pretrained's rename and transforms): exported name (zeal::Sharded's "block" level left out)
+  // → the name written, and whether the 2-D tensor is written transposed (GPT-2's Conv1D weights are
+  // [in, out]). Names not listed are written as they are; a listed name that matches no tensor, or a
+  // transpose of a tensor that is not 2-D, is an error. zeal::models::gpt2_export_options makes
+  // GPT-2's.
+  struct Rename {
+    std::string name;
+    bool transpose = false;
+  };
+  std::map<std::string, Rename> names;
 };
 
 // Reads Hugging Face-style safetensors weights (model.safetensors, or the files

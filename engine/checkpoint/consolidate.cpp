@@ -12,6 +12,7 @@
 #include <fstream>
 #include <cstdlib>
 #include <map>
+#include <set>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -90,7 +91,8 @@ bool is_float(const std::string& d) { return d == "F32" || d == "BF16" || d == "
 
 struct Param {
   std::string name, dtype;  // dtype of its pieces
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;  // as saved (before a transpose)
+  bool transpose = false;      // written transposed (2-D)
   int64_t numel = 1;
   std::vector<SavedPiece> pieces;
 };
@@ -193,6 +195,7 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
   std::map<std::string, size_t> index;
   // The model's buffers are written too (BatchNorm's statistics; saved by rank 0, whole).
   const json renames = o.model_names && m.contains("export_names") ? m["export_names"] : json::object();
+  std::set<std::string> used;  // o.rename's names met
   std::map<std::string, std::string> source;  // each name written: the model's name it comes from
   for (const auto& p : m["pieces"]) {
     const std::string kind = p["kind"].get<std::string>();
@@ -202,6 +205,12 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
     if (const auto r = renames.find(own); r != renames.end()) {
       if (r->is_null()) continue;  // an adapter tensor
       name = r->get<std::string>();
+    }
+    bool transpose = false;
+    if (const auto r = o.rename.find(name); r != o.rename.end()) {
+      used.insert(name);
+      transpose = r->second.second;
+      name = r->second.first;
     }
     if (const auto [it, fresh] = source.try_emplace(name, own); !fresh && it->second != own) {
       throw Error(fmt::format("'{}' and '{}' would both be written as '{}'; consolidate with --keep_names", it->second,
@@ -213,12 +222,23 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
       q.name = name;
       q.dtype = p["dtype"].get<std::string>();
       q.shape = p["shape"].get<std::vector<int64_t>>();
+      q.transpose = transpose;
+      if (transpose && q.shape.size() != 2) {
+        throw Error(fmt::format("'{}' ({}) is to be written transposed but has {} dimensions, not 2", name, own,
+                                q.shape.size()));
+      }
       for (int64_t d : q.shape) q.numel *= d;
       params.push_back(std::move(q));
     }
     params[it->second].pieces.push_back({p["file"].get<std::string>(), p["dtype"].get<std::string>(),
                                          p["begin"].get<int64_t>(), p["count"].get<int64_t>(),
                                          p["offset"].get<int64_t>()});
+  }
+  for (const auto& [from, to] : o.rename) {
+    if (!used.count(from)) {
+      throw Error(fmt::format("the export's names list '{}' (to be written as '{}'), which the checkpoint does not hold",
+                              from, to.first));
+    }
   }
   // Files of at most max_shard_size bytes (a larger tensor alone).
   auto out_type = [&](const Param& p) { return is_float(p.dtype) ? out_dtype : p.dtype; };
@@ -257,7 +277,8 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
     std::vector<TensorEntry> entries;
     for (size_t i : shards[k]) {
       const Param& p = params[i];
-      entries.push_back({p.name, out_type(p), p.shape, p.numel * dtype_size(out_type(p))});
+      const std::vector<int64_t> shape = p.transpose ? std::vector<int64_t>{p.shape[1], p.shape[0]} : p.shape;
+      entries.push_back({p.name, out_type(p), shape, p.numel * dtype_size(out_type(p))});
       weight_map[p.name] = name;
     }
     SafetensorsWriter w((staging / name).string(), entries, {{"format", "pt"}}, {}, 1 << 20, 4 << 20);
@@ -276,6 +297,14 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
       }
       if (covered != p.numel) {
         throw Error(fmt::format("the checkpoint covers {} of the {} elements of '{}'", covered, p.numel, p.name));
+      }
+      if (p.transpose) {  // [rows, cols] → [cols, rows], element by element
+        const int64_t rows = p.shape[0], cols = p.shape[1];
+        std::vector<char> t(src.size());
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < cols; ++j)
+            std::memcpy(t.data() + (j * rows + i) * es, src.data() + (i * cols + j) * es, static_cast<size_t>(es));
+        src.swap(t);
       }
       const std::string to = out_type(p);
       if (to == p.dtype) {

@@ -9,7 +9,9 @@
 #include <cstdint>
 #include <functional>
 #include <filesystem>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace zeal::ckpt {
@@ -22,6 +24,9 @@ struct ConsolidateOptions {
   // left out, LoRA adapter tensors left for the adapter file), as transformers loads them; false:
   // the model's own names, adapters included.
   bool model_names = true;
+  // Applied after model_names: a name written → {the name to write instead, written transposed (2-D)}
+  // (engine.save_model's SaveModelOptions::names).
+  std::map<std::string, std::pair<std::string, bool>> rename;
 };
 
 struct ConsolidateResult {

@@ -590,6 +590,7 @@ std::vector<std::string> Engine::save_model(const std::string& dir, const SaveMo
       ckpt::ConsolidateOptions o;
       o.dtype = dtype;
       o.max_shard_size = options.max_shard_size;
+      for (const auto& [from, to] : options.names) o.rename[from] = {to.name, to.transpose};
       files = ckpt::consolidate(state.string(), dir, o).files;
     } catch (const std::exception& e) {
       error = e.what();

@@ -77,4 +77,35 @@ inline PretrainedOptions gpt2_pretrained_options(const GptConfig& c, const std::
   return o;
 }
 
+// The inverse, for engine.save_model: the example's names written as GPT2LMHeadModel's
+// ("transformer.h.0.attn.c_attn.weight", …), its Linear weights written transposed as Conv1D's
+// [in, out], so transformers' GPT2LMHeadModel.from_pretrained loads the export with GPT-2's
+// config.json beside it. A tied head is written once, as wte (GPT-2 ties them too).
+inline SaveModelOptions gpt2_export_options(const GptConfig& c) {
+  SaveModelOptions o;
+  const std::string p = "transformer.";
+  auto same = [&](const std::string& model, const std::string& file) { o.names[model] = {p + file, false}; };
+  same("wte.weight", "wte.weight");
+  same("wpe.weight", "wpe.weight");
+  same("ln_f.weight", "ln_f.weight");
+  same("ln_f.bias", "ln_f.bias");
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string m = "h" + std::to_string(i) + ".", f = "h." + std::to_string(i) + ".";
+    for (const char* x : {"weight", "bias"}) {
+      same(m + "ln1." + x, f + "ln_1." + x);
+      same(m + "ln2." + x, f + "ln_2." + x);
+    }
+    same(m + "attn.bias", f + "attn.c_attn.bias");
+    same(m + "attn_proj.bias", f + "attn.c_proj.bias");
+    same(m + "fc.bias", f + "mlp.c_fc.bias");
+    same(m + "fc_proj.bias", f + "mlp.c_proj.bias");
+    o.names[m + "attn.weight"] = {p + f + "attn.c_attn.weight", true};
+    o.names[m + "attn_proj.weight"] = {p + f + "attn.c_proj.weight", true};
+    o.names[m + "fc.weight"] = {p + f + "mlp.c_fc.weight", true};
+    o.names[m + "fc_proj.weight"] = {p + f + "mlp.c_proj.weight", true};
+  }
+  if (!c.tie_head) o.names["lm_head.weight"] = {"lm_head.weight", false};
+  return o;
+}
+
 }  // namespace zeal::models

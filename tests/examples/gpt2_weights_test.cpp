@@ -128,6 +128,67 @@ TEST_F(Gpt2Peer, Stage3RanksReadTheirSlicesOfTheTransformedWeights) {
   EXPECT_TRUE(got.equal(want)) << "largest difference " << (got - want).abs().max().item<double>();
 }
 
+// The way back: after two optimizer steps under stage 3 on 2 ranks, engine.save_model with
+// gpt2_export_options writes GPT-2's names and Conv1D layout, and transformers' GPT2LMHeadModel
+// loads the export (nothing missing or unexpected) and gives the trained model's logits
+// (tests/examples/gpt2_export_check.py).
+TEST_F(Gpt2Peer, AnExportLoadsInTransformersAsGpt2) {
+  const std::string dir = dir_, export_dir = dir_ + "/export", logits_file = dir_ + "/export_logits.safetensors";
+  const auto results = zeal_test::spawn_checked(
+      [&](zeal::Runtime& rt) {
+        zeal::Config c = zeal::Config::parse(
+            R"({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})", "ds.json");
+        c.launch.use_cpu = true;
+        zeal::Engine engine(c, rt);
+        const auto cfg = zeal::models::gpt2_config(dir + "/config.json");
+        Gpt model(cfg);
+        auto o = zeal::models::gpt2_pretrained_options(cfg, dir);
+        o.quiet = true;
+        zeal::load_pretrained(model, dir, o);
+        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+        auto [m, po] = engine.prepare(model, opt);
+        const at::Tensor ids = expected("ids");
+        for (int step = 0; step < 2; ++step) {
+          const at::Tensor logits = m->forward(ids);
+          engine.backward(at::cross_entropy_loss(logits.narrow(1, 0, 8).reshape({-1, logits.size(2)}),
+                                            ids.narrow(1, 1, 8).reshape({-1})));
+          po.step();
+          po.zero_grad();
+        }
+        engine.save_model(export_dir, zeal::models::gpt2_export_options(cfg));
+        // A name the model lacks (a typo, another depth) is an error on every rank, not a silent skip.
+        auto wrong = zeal::models::gpt2_export_options(cfg);
+        wrong.names["h9.attn.weight"] = {"transformer.h.9.attn.c_attn.weight", true};
+        try {
+          engine.save_model(dir + "/export_wrong", wrong);
+          ADD_FAILURE() << "an export name the model lacks was accepted";
+        } catch (const zeal::Error& e) {
+          EXPECT_NE(std::string(e.what()).find("'h9.attn.weight'"), std::string::npos) << e.what();
+        }
+        m->eval();
+        c10::NoGradGuard no_grad;
+        const at::Tensor logits = m->forward(ids).contiguous();
+        const at::Tensor before = expected("logits").to(at::kFloat);
+        EXPECT_GT((logits - before).abs().max().item<double>(), 1e-2) << "training did not move the logits";
+        if (engine.is_main_process()) {
+          zeal::ckpt::SafetensorsWriter w(logits_file,
+                                          {{"ids", "I64", ids.sizes().vec(), static_cast<int64_t>(ids.nbytes())},
+                                           {"logits", "F32", logits.sizes().vec(), static_cast<int64_t>(logits.nbytes())}},
+                                          {});
+          w.append(ids.contiguous().data_ptr(), static_cast<int64_t>(ids.nbytes()));
+          w.append(logits.data_ptr(), static_cast<int64_t>(logits.nbytes()));
+          w.finish();
+        }
+        engine.wait_for_everyone();
+      },
+      2);
+  ASSERT_EQ(zeal::describe_failures(results), "");
+  const auto check = zeal_test::run_peer_script("examples/gpt2_export_check.py",
+                                                dir_ + " " + export_dir + " " + logits_file);
+  EXPECT_EQ(check.failure, "");
+  EXPECT_EQ(check.skip, "");
+}
+
 // Fused and split projections: a file's q, k, v into one fused weight (concatenated), and a fused
 // file's weight into three (split_part), value for value.
 struct SplitImpl : torch::nn::Module {
