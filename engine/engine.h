@@ -188,6 +188,11 @@ struct SaveStateOptions {
   // async: host memory per rank for that copy. A state larger than this makes the call wait until
   // the writes have made room for the rest. 0: half the memory available, shared by the ranks.
   int64_t staging_bytes = 0;
+  // async: keep that host memory after the save for the next asynchronous save (DCP's
+  // cache_staged_state_dict), whose copy then runs at memory speed instead of faulting in fresh
+  // pages (docs/checkpoints.md). It stays held (up to staging_bytes per rank) until the engine ends;
+  // saves without this option neither use nor free it.
+  bool keep_staging = false;
 };
 
 struct LoadStateOptions {

@@ -13,6 +13,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/schedulers/lr_scheduler.h>
 
+#include "engine/checkpoint/staging.h"
 #include "engine/engine.h"
 #include "engine/optim/loss_scale.h"
 #include "engine/runtime/device_choice.h"
@@ -74,6 +75,8 @@ struct Engine::State {
   // removal of checkpoints that were replaced or fell beyond total_limit.
   std::future<std::string> saving;
   std::string saving_dir;
+  // SaveStateOptions::keep_staging: the staging chunks kept for the next asynchronous save.
+  std::shared_ptr<ckpt::StagingPool> staging_pool = std::make_shared<ckpt::StagingPool>();
   std::future<void> cleanup;
   // wall_clock_breakdown: milliseconds since the last report, the device synchronised at each edge.
   struct WallClock {

@@ -227,7 +227,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
       int64_t bytes = 0;
       for (const auto& e : plan.entries) bytes += e.bytes;
       budget = std::min(budget, bytes + (1 << 20));
-      staging = std::make_shared<Staging>(budget);
+      staging = std::make_shared<Staging>(budget, options.keep_staging ? state_->staging_pool : nullptr);
       const double timeout = config_.launch.comm_timeout;
       // The background thread: writes the staged chunks, publishes this rank's report next to its
       // file; rank 0 then waits for every rank's report and completes the checkpoint.
@@ -235,7 +235,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
                                                    automatic, total_limit = options.total_limit, timeout]() mutable {
         try {
           while (Staging::Chunk* ch = staging->next()) {
-            w->append(ch->bytes.data(), ch->fill);
+            w->append(ch->bytes.get(), ch->fill);
             staging->done(ch);
           }
           mine["file"] = file_record(file, w->finish());

@@ -34,17 +34,63 @@ class WriterSink : public Sink {
   SafetensorsWriter& w_;
 };
 
+struct StagingChunk {
+  explicit StagingChunk(int64_t n) : bytes(new char[static_cast<size_t>(n)]), size(n) {}  // not zeroed
+  std::unique_ptr<char[]> bytes;
+  int64_t size = 0;
+  int64_t fill = 0;
+};
+
+// Staging chunks kept from one asynchronous save for the next (SaveStateOptions::keep_staging, as
+// DCP's cache_staged_state_dict): the next copy writes into pages already faulted in.
+class StagingPool {
+ public:
+  void put(std::vector<std::unique_ptr<StagingChunk>> chunks) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& c : chunks) chunks_.push_back(std::move(c));
+  }
+  // A kept chunk of `size` bytes, or null.
+  std::unique_ptr<StagingChunk> take(int64_t size) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = chunks_.begin(); it != chunks_.end(); ++it) {
+      if ((*it)->size != size) continue;
+      auto c = std::move(*it);
+      chunks_.erase(it);
+      c->fill = 0;
+      return c;
+    }
+    return nullptr;
+  }
+  int64_t bytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t n = 0;
+    for (const auto& c : chunks_) n += c->size;
+    return n;
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    chunks_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<StagingChunk>> chunks_;
+};
+
 // An asynchronous save's snapshot: the training thread copies the state into at most `budget`
 // bytes of host memory, in chunks; the background thread writes each chunk and gives it back. A
-// state larger than the budget makes the copy wait for the writes.
+// state larger than the budget makes the copy wait for the writes. With a pool, chunks come from it
+// first and go back to it when the save is over.
 class Staging : public Sink {
  public:
-  struct Chunk {
-    std::vector<char> bytes;
-    int64_t fill = 0;
-  };
-  explicit Staging(int64_t budget)
-      : chunk_(std::clamp<int64_t>(budget / 4, 64 << 10, 32 << 20)), max_(std::max<int64_t>(2, budget / chunk_)) {}
+  using Chunk = StagingChunk;
+  explicit Staging(int64_t budget, std::shared_ptr<StagingPool> pool = nullptr)
+      : chunk_(std::clamp<int64_t>(budget / 4, 64 << 10, 32 << 20)),
+        max_(std::max<int64_t>(2, budget / chunk_)),
+        pool_(std::move(pool)) {}
+  ~Staging() override {
+    if (pool_) pool_->put(std::move(all_));
+  }
 
   // The training thread's side.
   void append(const void* data, int64_t n) override {
@@ -52,7 +98,7 @@ class Staging : public Sink {
     while (n > 0) {
       if (!cur_) cur_ = take();
       const int64_t k = std::min(n, chunk_ - cur_->fill);
-      std::memcpy(cur_->bytes.data() + cur_->fill, p, static_cast<size_t>(k));
+      std::memcpy(cur_->bytes.get() + cur_->fill, p, static_cast<size_t>(k));
       cur_->fill += k;
       p += k;
       n -= k;
@@ -102,8 +148,8 @@ class Staging : public Sink {
       free_.pop_back();
       return c;
     }
-    all_.push_back(std::make_unique<Chunk>());
-    all_.back()->bytes.resize(static_cast<size_t>(chunk_));
+    std::unique_ptr<Chunk> kept = pool_ ? pool_->take(chunk_) : nullptr;
+    all_.push_back(kept ? std::move(kept) : std::make_unique<Chunk>(chunk_));
     return all_.back().get();
   }
   void publish() {
@@ -114,6 +160,7 @@ class Staging : public Sink {
   }
 
   const int64_t chunk_, max_;
+  std::shared_ptr<StagingPool> pool_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Chunk>> all_;

@@ -366,6 +366,25 @@ TEST(CheckpointAsync, AnAsyncSaveHoldsTheStateOfTheCallWhileTrainingGoesOn) {
       fs::remove_all(ckpt);
     }
   }
+  // keep_staging: the save at step 1 leaves its staging chunks for the one at kSteps/2, which copies
+  // into them (not zeroed, last filled by the earlier state); that one resumes to the same bits.
+  for (const int64_t staging : {int64_t{0}, int64_t{128} << 10}) {
+    const std::string label = "async_kept_" + std::to_string(staging);
+    const std::string ckpt = temp_dir("ckpt_" + label);
+    const RunSpec s = spec(3, 2);
+    const auto whole = run_phase({s, 0, kSteps, "", ""}, label + "_whole");
+    Phase saving{s, 0, kSteps, "", ckpt, kSteps / 2, {.async = true, .staging_bytes = staging, .keep_staging = true}};
+    saving.save_also_at = 1;
+    const auto during = run_phase(saving, label + "_saving");
+    const auto resumed = run_phase({s, kSteps / 2, kSteps, ckpt, ""}, label + "_resumed");
+    for (size_t r = 0; r < whole.size(); ++r) {
+      EXPECT_TRUE(at::equal(whole[r], during[r])) << label << " rank " << r << ": the saving run was disturbed";
+      EXPECT_TRUE(at::equal(whole[r], resumed[r])) << label << " rank " << r << ": largest difference "
+                                                   << (whole[r] - resumed[r]).abs().max().item<double>();
+    }
+    fs::remove_all(ckpt);
+    fs::remove_all(ckpt + ".earlier");
+  }
 }
 
 // A write that fails on one rank (no space left) fails the save on every rank, naming that rank

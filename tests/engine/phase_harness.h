@@ -20,6 +20,7 @@ struct Phase {
   std::string load, save;  // directories (empty: none)
   int save_at = -1;         // save before this step instead of after the last
   zeal::SaveStateOptions options = {};
+  int save_also_at = -1;    // and an earlier save before this step, into <save>.earlier (same options)
 };
 
 // Trains steps [from, to) of a run whose step k always sees the same global batch (samples
@@ -40,6 +41,7 @@ inline std::vector<at::Tensor> run_phase(const Phase& p, const std::string& name
         const int64_t per_step = s.micro_batch * s.world * s.accumulation;
         at::Tensor tokens = make_tokens(per_step * kPhaseSteps);
         for (int step = p.from; step < p.to; ++step) {
+          if (step == p.save_also_at && !p.save.empty()) engine.save_state(p.save + ".earlier", p.options);
           if (step == p.save_at && !p.save.empty()) engine.save_state(p.save, p.options);
           for (int micro = 0; micro < s.accumulation; ++micro) {
             auto guard = engine.accumulate(m);
