@@ -226,8 +226,9 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
       int64_t budget = options.staging_bytes > 0 ? options.staging_bytes : default_staging_budget(world);
       int64_t bytes = 0;
       for (const auto& e : plan.entries) bytes += e.bytes;
+      const bool whole = budget >= bytes + (1 << 20);
       budget = std::min(budget, bytes + (1 << 20));
-      staging = std::make_shared<Staging>(budget, options.keep_staging ? state_->staging_pool : nullptr);
+      staging = std::make_shared<Staging>(budget, options.keep_staging ? state_->staging_pool : nullptr, whole);
       const double timeout = config_.launch.comm_timeout;
       // The background thread: writes the staged chunks, publishes this rank's report next to its
       // file; rank 0 then waits for every rank's report and completes the checkpoint.

@@ -84,10 +84,13 @@ class StagingPool {
 class Staging : public Sink {
  public:
   using Chunk = StagingChunk;
-  explicit Staging(int64_t budget, std::shared_ptr<StagingPool> pool = nullptr)
+  // hold: the budget holds the whole state, so the writes wait until the copy is done (the copy,
+  // which the training waits for, then has the cores to itself; DCP stages before it uploads too).
+  explicit Staging(int64_t budget, std::shared_ptr<StagingPool> pool = nullptr, bool hold = false)
       : chunk_(std::clamp<int64_t>(budget / 4, 64 << 10, 32 << 20)),
-        max_(std::max<int64_t>(2, budget / chunk_)),
-        pool_(std::move(pool)) {}
+        max_(std::max<int64_t>(2, hold ? (budget + chunk_ - 1) / chunk_ : budget / chunk_)),
+        pool_(std::move(pool)),
+        hold_(hold) {}
   ~Staging() override {
     if (pool_) pool_->put(std::move(all_));
   }
@@ -124,7 +127,7 @@ class Staging : public Sink {
   // The background thread's side: the next chunk to write (null when all are written).
   Chunk* next() {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return !ready_.empty() || closed_ || !error_.empty(); });
+    cv_.wait(lock, [&] { return (!ready_.empty() && !hold_) || closed_ || !error_.empty(); });
     if (!error_.empty()) throw Error(error_);
     if (ready_.empty()) return nullptr;
     Chunk* c = ready_.front();
@@ -141,6 +144,10 @@ class Staging : public Sink {
  private:
   Chunk* take() {
     std::unique_lock<std::mutex> lock(mu_);
+    if (hold_ && free_.empty() && static_cast<int64_t>(all_.size()) >= max_) {
+      hold_ = false;  // never both waiting for room and holding the writes back
+      cv_.notify_all();
+    }
     cv_.wait(lock, [&] { return !free_.empty() || static_cast<int64_t>(all_.size()) < max_ || !error_.empty(); });
     if (!error_.empty()) throw Error(error_);
     if (!free_.empty()) {
@@ -161,6 +168,7 @@ class Staging : public Sink {
 
   const int64_t chunk_, max_;
   std::shared_ptr<StagingPool> pool_;
+  bool hold_;  // guarded by mu_
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Chunk>> all_;
