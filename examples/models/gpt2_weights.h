@@ -9,6 +9,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "engine/engine.h"
 #include "examples/models/gpt_config.h"
@@ -46,6 +47,34 @@ inline GptConfig gpt2_config(const std::string& path) {
   return c;
 }
 
+// The example's parameter names against GPT-2's: the file's name (under "transformer." unless
+// `top`), and whether the file stores it transposed (Conv1D weights, [in, out]).
+struct Gpt2Name {
+  std::string model, file;
+  bool transposed = false, top = false;
+};
+inline std::vector<Gpt2Name> gpt2_names(const GptConfig& c) {
+  std::vector<Gpt2Name> out{{"wte.weight", "wte.weight"}, {"wpe.weight", "wpe.weight"},
+                            {"ln_f.weight", "ln_f.weight"}, {"ln_f.bias", "ln_f.bias"}};
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string m = "h" + std::to_string(i) + ".", f = "h." + std::to_string(i) + ".";
+    for (const char* x : {"weight", "bias"}) {
+      out.push_back({m + "ln1." + x, f + "ln_1." + x});
+      out.push_back({m + "ln2." + x, f + "ln_2." + x});
+    }
+    out.push_back({m + "attn.bias", f + "attn.c_attn.bias"});
+    out.push_back({m + "attn_proj.bias", f + "attn.c_proj.bias"});
+    out.push_back({m + "fc.bias", f + "mlp.c_fc.bias"});
+    out.push_back({m + "fc_proj.bias", f + "mlp.c_proj.bias"});
+    out.push_back({m + "attn.weight", f + "attn.c_attn.weight", true});
+    out.push_back({m + "attn_proj.weight", f + "attn.c_proj.weight", true});
+    out.push_back({m + "fc.weight", f + "mlp.c_fc.weight", true});
+    out.push_back({m + "fc_proj.weight", f + "mlp.c_proj.weight", true});
+  }
+  if (!c.tie_head) out.push_back({"lm_head.weight", "lm_head.weight", false, true});
+  return out;
+}
+
 // GPT-2's names (with "transformer." when the file has it) for the example's, Conv1D weights transposed.
 inline PretrainedOptions gpt2_pretrained_options(const GptConfig& c, const std::string& dir) {
   std::string p;
@@ -53,27 +82,14 @@ inline PretrainedOptions gpt2_pretrained_options(const GptConfig& c, const std::
     if (n.rfind("transformer.", 0) == 0) p = "transformer.";
   }
   PretrainedOptions o;
-  auto same = [&](const std::string& model, const std::string& file) { o.rename.push_back({model, p + file}); };
-  same("wte.weight", "wte.weight");
-  same("wpe.weight", "wpe.weight");
-  same("ln_f.weight", "ln_f.weight");
-  same("ln_f.bias", "ln_f.bias");
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string m = "h" + std::to_string(i) + ".", f = "h." + std::to_string(i) + ".";
-    for (const char* x : {"weight", "bias"}) {
-      same(m + "ln1." + x, f + "ln_1." + x);
-      same(m + "ln2." + x, f + "ln_2." + x);
+  for (const auto& n : gpt2_names(c)) {
+    const std::string file = (n.top ? "" : p) + n.file;
+    if (n.transposed) {
+      o.transforms[n.model] = transposed(file);
+    } else {
+      o.rename.push_back({n.model, file});
     }
-    same(m + "attn.bias", f + "attn.c_attn.bias");
-    same(m + "attn_proj.bias", f + "attn.c_proj.bias");
-    same(m + "fc.bias", f + "mlp.c_fc.bias");
-    same(m + "fc_proj.bias", f + "mlp.c_proj.bias");
-    o.transforms[m + "attn.weight"] = transposed(p + f + "attn.c_attn.weight");
-    o.transforms[m + "attn_proj.weight"] = transposed(p + f + "attn.c_proj.weight");
-    o.transforms[m + "fc.weight"] = transposed(p + f + "mlp.c_fc.weight");
-    o.transforms[m + "fc_proj.weight"] = transposed(p + f + "mlp.c_proj.weight");
   }
-  if (!c.tie_head) o.rename.push_back({"lm_head.weight", "lm_head.weight"});
   return o;
 }
 
@@ -83,28 +99,7 @@ inline PretrainedOptions gpt2_pretrained_options(const GptConfig& c, const std::
 // config.json beside it. A tied head is written once, as wte (GPT-2 ties them too).
 inline SaveModelOptions gpt2_export_options(const GptConfig& c) {
   SaveModelOptions o;
-  const std::string p = "transformer.";
-  auto same = [&](const std::string& model, const std::string& file) { o.names[model] = {p + file, false}; };
-  same("wte.weight", "wte.weight");
-  same("wpe.weight", "wpe.weight");
-  same("ln_f.weight", "ln_f.weight");
-  same("ln_f.bias", "ln_f.bias");
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string m = "h" + std::to_string(i) + ".", f = "h." + std::to_string(i) + ".";
-    for (const char* x : {"weight", "bias"}) {
-      same(m + "ln1." + x, f + "ln_1." + x);
-      same(m + "ln2." + x, f + "ln_2." + x);
-    }
-    same(m + "attn.bias", f + "attn.c_attn.bias");
-    same(m + "attn_proj.bias", f + "attn.c_proj.bias");
-    same(m + "fc.bias", f + "mlp.c_fc.bias");
-    same(m + "fc_proj.bias", f + "mlp.c_proj.bias");
-    o.names[m + "attn.weight"] = {p + f + "attn.c_attn.weight", true};
-    o.names[m + "attn_proj.weight"] = {p + f + "attn.c_proj.weight", true};
-    o.names[m + "fc.weight"] = {p + f + "mlp.c_fc.weight", true};
-    o.names[m + "fc_proj.weight"] = {p + f + "mlp.c_proj.weight", true};
-  }
-  if (!c.tie_head) o.names["lm_head.weight"] = {"lm_head.weight", false};
+  for (const auto& n : gpt2_names(c)) o.names[n.model] = {(n.top ? "" : "transformer.") + n.file, n.transposed};
   return o;
 }
 
