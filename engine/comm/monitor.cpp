@@ -73,6 +73,26 @@ std::vector<int> rank_machine_indices() {
 }
 const std::string& store_host() { return store_host_name(); }
 
+namespace {
+// With several machines: which one hosts the store (rank 0's), as the reports of silent machines
+// name it; empty with one machine or before the rendezvous noted them.
+std::string store_machine_note() {
+  auto& m = rank_machines();
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (m.node.empty() || m.node[0] < 0 || m.host.size() != m.node.size()) return "";
+  std::vector<int> ranks;
+  bool several = false;
+  for (size_t r = 0; r < m.node.size(); ++r) {
+    if (m.node[r] == m.node[0]) ranks.push_back(static_cast<int>(r));
+    several = several || m.node[r] != m.node[0];
+  }
+  if (!several) return "";
+  return fmt::format("; the store is on machine {} (host {}, rank{} {}): if that machine or the network to it is "
+                     "down, none of its ranks can be reached either",
+                     m.node[0], m.host[0], ranks.size() == 1 ? "" : "s", rank_list(ranks));
+}
+}  // namespace
+
 void run_bounded(const std::function<void()>& op, std::chrono::milliseconds deadline, const std::string& what,
                  const std::atomic<bool>* give_up) {
   struct State {
@@ -106,7 +126,7 @@ void run_bounded(const std::function<void()>& op, std::chrono::milliseconds dead
   }
   if (!answered) {
     throw StoreSilent(fmt::format("{} no answer from the store within {:g} s: {} is not responding (stopped, hung or "
-                                  "gone)", what, deadline.count() / 1000.0, store_host()));
+                                  "gone){}", what, deadline.count() / 1000.0, store_host(), store_machine_note()));
   }
   if (!state->error) return;
   try {
@@ -115,8 +135,8 @@ void run_bounded(const std::function<void()>& op, std::chrono::milliseconds dead
     // The store's socket failed (reset, closed): its host is gone. A socket timeout is only slow.
     const std::string why = e.what();
     if (why.find("Timeout") != std::string::npos) throw;
-    throw StoreSilent(fmt::format("{} lost the store: {} exited or closed it? ({})", what, store_host(),
-                                  why.substr(0, why.find('\n'))));
+    throw StoreSilent(fmt::format("{} lost the store: {} exited or closed it? ({}){}", what, store_host(),
+                                  why.substr(0, why.find('\n')), store_machine_note()));
   }
 }
 
