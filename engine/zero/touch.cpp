@@ -60,11 +60,20 @@ struct Hit {
 // A watched unit's storage among an op's tensors. Only ops of the thread that prepared the model and
 // of autograd's backward count: the dispatch state is also inherited by threads that only move the
 // units' bytes (c10d's gloo workers filling a gather), which must never gather anything themselves.
-void look_up(const Map& m, const at::Tensor& t, bool in_backward, bool written, std::vector<Hit>& hits) {
+// Whether autograd's backward runs this op, asked once and only once a watched storage is found.
+struct InBackward {
+  int known = -1;
+  bool operator()() {
+    if (known < 0) known = torch::autograd::get_current_graph_task_id() >= 0 ? 1 : 0;
+    return known == 1;
+  }
+};
+
+void look_up(const Map& m, const at::Tensor& t, InBackward& in_backward, bool written, std::vector<Hit>& hits) {
   if (!t.defined() || !t.has_storage()) return;
   auto it = m.find(t.storage().unsafeGetStorageImpl());
   if (it == m.end()) return;
-  if (!in_backward && it->second.thread != std::this_thread::get_id()) return;
+  if (it->second.thread != std::this_thread::get_id() && !in_backward()) return;
   for (auto& h : hits) {
     if (h.unit == it->second.unit) {
       h.written = h.written || written;
@@ -74,7 +83,7 @@ void look_up(const Map& m, const at::Tensor& t, bool in_backward, bool written, 
   hits.push_back({it->second.owner, it->second.unit, written});
 }
 
-void look_up(const Map& m, const c10::IValue& v, bool in_backward, bool written, std::vector<Hit>& hits) {
+void look_up(const Map& m, const c10::IValue& v, InBackward& in_backward, bool written, std::vector<Hit>& hits) {
   if (v.isTensor()) {
     look_up(m, v.toTensor(), in_backward, written, hits);
   } else if (v.isTensorList()) {
@@ -90,7 +99,7 @@ void touch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
     const Map* m = registry().map.load(std::memory_order_acquire);
     if (m != nullptr) {
       std::vector<Hit> hits;
-      const bool in_backward = torch::autograd::get_current_graph_task_id() >= 0;
+      InBackward in_backward;
       const auto& args = op.schema().arguments();
       const size_t n = args.size();
       for (size_t i = 0; i < n; ++i) {
@@ -111,7 +120,7 @@ void touch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
             if (it->written) written.push_back(it->unit);
             it = hits.erase(it);
           }
-          owner->touched(units, written, op.schema().name(), in_backward);
+          owner->touched(units, written, op.schema().name(), in_backward());
         }
       }
     }
