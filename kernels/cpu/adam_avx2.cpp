@@ -2,7 +2,7 @@
 // CPU has them.
 #include <immintrin.h>
 
-#include "kernels/cpu/adam_kernel.h"
+#include "kernels/cpu/adam_loop.h"
 
 namespace zeal::cpu::detail {
 namespace {
@@ -28,7 +28,6 @@ inline __m256 load(const void* g, DType type, int64_t i) {
     default: return _mm256_loadu_ps(static_cast<const float*>(g) + i);
   }
 }
-inline __m256 load_grad(const AdamPartition& p, int64_t i) { return load(p.grad, p.grad_type, i); }
 
 // Round to nearest even into bf16; NaN becomes a quiet NaN with its sign.
 inline __m128i to_bf16(__m256 w) {
@@ -42,43 +41,57 @@ inline __m128i to_bf16(__m256 w) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
-}  // namespace
-
-void adam_avx2(const AdamConstants& c, const AdamPartition& p) {
-  const int64_t vec_end = p.n - p.n % 8;
-  for (int64_t i = 0; i < vec_end; i += 8) {
-    V8 w{_mm256_loadu_ps(p.master + i)}, m{_mm256_loadu_ps(p.m + i)}, v{_mm256_loadu_ps(p.v + i)};
-    adam_lanes(c, w, m, v, V8{load_grad(p, i)});
-    _mm256_storeu_ps(p.master + i, w.x);
-    _mm256_storeu_ps(p.m + i, m.x);
-    _mm256_storeu_ps(p.v + i, v.x);
-    if (p.copy && p.copy_type == DType::kFp32) {
-      _mm256_storeu_ps(static_cast<float*>(p.copy) + i, w.x);
-    } else if (p.copy) {
-      __m128i* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p.copy) + i);
-      _mm_storeu_si128(out, p.copy_type == DType::kFp16 ? _mm256_cvtps_ph(w.x, _MM_FROUND_TO_NEAREST_INT)
-                                                        : to_bf16(w.x));
+// The loop's traits (adam_loop.h).
+struct Avx2 {
+  using V = V8;
+  static constexpr int64_t kWidth = 8;
+  static __m256 load(const float* p, int64_t i) { return _mm256_loadu_ps(p + i); }
+  static void store(float* p, int64_t i, V8 x) { _mm256_storeu_ps(p + i, x.x); }
+  template <DType G>
+  static __m256 load_grad(const void* g, int64_t i) { return detail::load(g, G, i); }
+  template <CopyKind C>
+  static void store_copy(void* out, int64_t i, V8 w) {
+    if constexpr (C == CopyKind::kFp32) {
+      _mm256_storeu_ps(static_cast<float*>(out) + i, w.x);
+    } else {
+      __m128i* half = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i);
+      _mm_storeu_si128(half, C == CopyKind::kFp16 ? _mm256_cvtps_ph(w.x, _MM_FROUND_TO_NEAREST_INT) : to_bf16(w.x));
     }
   }
-  adam_scalar(c, p, vec_end);
-}
+};
+
+}  // namespace
+
+void adam_avx2(const AdamConstants& c, const AdamPartition& p) { adam_simd<Avx2>(c, p); }
 
 GradStats stats_avx2(const void* grad, DType type, int64_t n) {
+  // Four vectors per iteration, each with its own accumulators, so the adds do not wait on one chain.
+  constexpr int U = 4;
   const int64_t vec_end = n - n % 8;
-  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
-  __m256 amax = _mm256_setzero_ps();
+  __m256d lo[U], hi[U];
+  __m256 amax[U];
+  for (int u = 0; u < U; ++u) lo[u] = hi[u] = _mm256_setzero_pd(), amax[u] = _mm256_setzero_ps();
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int64_t i = 0; i < vec_end; i += 8) {
+  auto add = [&](int u, int64_t i) {
     const __m256 g = load(grad, type, i);
     const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(g)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(g, 1));
-    lo = _mm256_fmadd_pd(a, a, lo);
-    hi = _mm256_fmadd_pd(b, b, hi);
-    amax = _mm256_max_ps(amax, _mm256_and_ps(g, abs_mask));
+    lo[u] = _mm256_fmadd_pd(a, a, lo[u]);
+    hi[u] = _mm256_fmadd_pd(b, b, hi[u]);
+    amax[u] = _mm256_max_ps(amax[u], _mm256_and_ps(g, abs_mask));
+  };
+  int64_t i = 0;
+  for (; i + U * 8 <= vec_end; i += U * 8) {
+    for (int u = 0; u < U; ++u) add(u, i + u * 8);
+  }
+  for (; i < vec_end; i += 8) add(0, i);
+  for (int u = 1; u < U; ++u) {
+    lo[0] = _mm256_add_pd(lo[0], lo[u]), hi[0] = _mm256_add_pd(hi[0], hi[u]);
+    amax[0] = _mm256_max_ps(amax[0], amax[u]);
   }
   alignas(32) double s[4];
-  _mm256_store_pd(s, _mm256_add_pd(lo, hi));
+  _mm256_store_pd(s, _mm256_add_pd(lo[0], hi[0]));
   alignas(32) float m[8];
-  _mm256_store_ps(m, amax);
+  _mm256_store_ps(m, amax[0]);
   GradStats out{(s[0] + s[1]) + (s[2] + s[3]), 0.0f};
   for (float x : m) out.amax = x > out.amax ? x : out.amax;
   return combine(out, stats_scalar(grad, type, vec_end, n));

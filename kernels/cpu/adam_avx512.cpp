@@ -2,7 +2,7 @@
 // the CPU has them.
 #include <immintrin.h>
 
-#include "kernels/cpu/adam_kernel.h"
+#include "kernels/cpu/adam_loop.h"
 
 namespace zeal::cpu::detail {
 namespace {
@@ -26,7 +26,6 @@ inline __m512 load(const void* g, DType type, int64_t i) {
     default: return _mm512_loadu_ps(static_cast<const float*>(g) + i);
   }
 }
-inline __m512 load_grad(const AdamPartition& p, int64_t i) { return load(p.grad, p.grad_type, i); }
 
 inline __m256i to_bf16(__m512 w) {
   const __m512i u = _mm512_castps_si512(w);
@@ -37,41 +36,56 @@ inline __m256i to_bf16(__m512 w) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-}  // namespace
-
-void adam_avx512(const AdamConstants& c, const AdamPartition& p) {
-  const int64_t vec_end = p.n - p.n % 16;
-  for (int64_t i = 0; i < vec_end; i += 16) {
-    V16 w{_mm512_loadu_ps(p.master + i)}, m{_mm512_loadu_ps(p.m + i)}, v{_mm512_loadu_ps(p.v + i)};
-    adam_lanes(c, w, m, v, V16{load_grad(p, i)});
-    _mm512_storeu_ps(p.master + i, w.x);
-    _mm512_storeu_ps(p.m + i, m.x);
-    _mm512_storeu_ps(p.v + i, v.x);
-    if (p.copy && p.copy_type == DType::kFp32) {
-      _mm512_storeu_ps(static_cast<float*>(p.copy) + i, w.x);
-    } else if (p.copy) {
-      __m256i* out = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.copy) + i);
-      _mm256_storeu_si256(out, p.copy_type == DType::kFp16
-                                   ? _mm512_cvtps_ph(w.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                   : to_bf16(w.x));
+// The loop's traits (adam_loop.h).
+struct Avx512 {
+  using V = V16;
+  static constexpr int64_t kWidth = 16;
+  static __m512 load(const float* p, int64_t i) { return _mm512_loadu_ps(p + i); }
+  static void store(float* p, int64_t i, V16 x) { _mm512_storeu_ps(p + i, x.x); }
+  template <DType G>
+  static __m512 load_grad(const void* g, int64_t i) { return detail::load(g, G, i); }
+  template <CopyKind C>
+  static void store_copy(void* out, int64_t i, V16 w) {
+    if constexpr (C == CopyKind::kFp32) {
+      _mm512_storeu_ps(static_cast<float*>(out) + i, w.x);
+    } else {
+      __m256i* half = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i);
+      _mm256_storeu_si256(half, C == CopyKind::kFp16
+                                    ? _mm512_cvtps_ph(w.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                    : to_bf16(w.x));
     }
   }
-  adam_scalar(c, p, vec_end);
-}
+};
+
+}  // namespace
+
+void adam_avx512(const AdamConstants& c, const AdamPartition& p) { adam_simd<Avx512>(c, p); }
 
 GradStats stats_avx512(const void* grad, DType type, int64_t n) {
+  // Four vectors per iteration, each with its own accumulators, so the adds do not wait on one chain.
+  constexpr int U = 4;
   const int64_t vec_end = n - n % 16;
-  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < vec_end; i += 16) {
+  __m512d lo[U], hi[U];
+  __m512 amax[U];
+  for (int u = 0; u < U; ++u) lo[u] = hi[u] = _mm512_setzero_pd(), amax[u] = _mm512_setzero_ps();
+  auto add = [&](int u, int64_t i) {
     const __m512 g = load(grad, type, i);
     const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
     const __m512d b = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(g), 1)));
-    lo = _mm512_fmadd_pd(a, a, lo);
-    hi = _mm512_fmadd_pd(b, b, hi);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(g));
+    lo[u] = _mm512_fmadd_pd(a, a, lo[u]);
+    hi[u] = _mm512_fmadd_pd(b, b, hi[u]);
+    amax[u] = _mm512_max_ps(amax[u], _mm512_abs_ps(g));
+  };
+  int64_t i = 0;
+  for (; i + U * 16 <= vec_end; i += U * 16) {
+    for (int u = 0; u < U; ++u) add(u, i + u * 16);
   }
-  GradStats out{_mm512_reduce_add_pd(_mm512_add_pd(lo, hi)), _mm512_reduce_max_ps(amax)};
+  for (; i < vec_end; i += 16) add(0, i);
+  for (int u = 1; u < U; ++u) {
+    lo[0] = _mm512_add_pd(lo[0], lo[u]), hi[0] = _mm512_add_pd(hi[0], hi[u]);
+    amax[0] = _mm512_max_ps(amax[0], amax[u]);
+  }
+  GradStats out{_mm512_reduce_add_pd(_mm512_add_pd(lo[0], hi[0])), _mm512_reduce_max_ps(amax[0])};
   return combine(out, stats_scalar(grad, type, vec_end, n));
 }
 
