@@ -5,10 +5,12 @@
 //
 // Then the optimizer step of a partition of S parameters (default 1e9) whose fp32 master weights
 // and Adam state live in a swap file (offload_optimizer.device nvme: ShardStep, pipelined over
-// windows of W elements, reading and writing at once) against its I/O floor: after each step, fio
-// does the step's own I/O on the step's own file (reads and writes of 12·S bytes each, 1 MiB requests
-// at queue depth Q, both at once), and the floor is its time. Before the step a probe asks whether
-// the device caches what was just written (a virtual disk's host cache), and says so. And the step's
+// windows of W elements, reading and writing at once) against its I/O floor, the faster, round by
+// round, of zeal's engines replaying the step's I/O with nothing computed (after each step) and fio
+// doing the same I/O on the step's own file (12·S bytes read while as many are written, 1 MiB
+// requests at queue depth Q each; after all steps, since fio's writes overwrite the state). The
+// device's counters show what moved. Before the step a probe asks whether the device caches what was
+// just written (a virtual disk's host cache), and says so. And the step's
 // peak resident set above the process's before the state existed, against the bound: the bf16
 // gradients and parameters the caller holds (2 · 2 · S bytes) + the window buffers ((40 + 2) · W).
 //
