@@ -27,8 +27,8 @@ struct CheckedReader::Impl {
     int direct = -1, buffered = -1;
   };
   std::map<std::string, Fds> files;
-  std::unique_ptr<offload::IoEngine> io;
-  std::vector<std::unique_ptr<offload::AlignedBuffer>> bufs;  // the reader's ring
+  std::vector<std::unique_ptr<offload::IoEngine>> io;          // one per reader thread
+  std::vector<std::unique_ptr<offload::AlignedBuffer>> bufs;  // the readers' ring
   int64_t span = 0;
   bool direct = true;
   ~Impl() {
@@ -48,15 +48,15 @@ struct CheckedReader::Impl {
   }
 };
 
-CheckedReader::CheckedReader(int64_t span, bool direct) : impl_(std::make_unique<Impl>()) {
+CheckedReader::CheckedReader(int64_t span, bool direct, int readers) : impl_(std::make_unique<Impl>()) {
   impl_->direct = direct;
   offload::IoOptions o;
   o.queue_depth = 32;
-  impl_->io = offload::make_io_engine(o);
   impl_->span = std::max<int64_t>(span, kCrcBlock);
-  for (int k = 0; k < 3; ++k) {
+  for (int r = 0; r < std::max(1, readers); ++r) impl_->io.push_back(offload::make_io_engine(o));
+  for (size_t k = 0; k < impl_->io.size() + 2; ++k) {
     impl_->bufs.push_back(std::make_unique<offload::AlignedBuffer>(impl_->span));
-    impl_->io->register_buffer(impl_->bufs.back()->data(), impl_->bufs.back()->size());
+    for (auto& io : impl_->io) io->register_buffer(impl_->bufs.back()->data(), impl_->bufs.back()->size());
   }
 }
 
@@ -91,7 +91,7 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
   if (tasks.empty()) return;
   // Reads task t's blocks into `block`: whole aligned blocks through O_DIRECT, the rest (a file's
   // short tail) with pread.
-  auto fetch = [&](const Task& t, char* block) {
+  auto fetch = [&](offload::IoEngine& io, const Task& t, char* block) {
     const Read& r = reads[t.read];
     const SavedFile& f = *r.file;
     const Impl::Fds& fd = *fds[t.read];
@@ -100,7 +100,7 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
     int64_t direct = fd.direct >= 0 && f.crc_block % offload::kIoAlign == 0 ? len / offload::kIoAlign * offload::kIoAlign : 0;
     if (direct > 0) {
       try {
-        impl_->io->read(fd.direct, r.path.string(), block, direct, at);
+        io.read(fd.direct, r.path.string(), block, direct, at);
       } catch (const offload::IoError& e) {
         throw Error(fmt::format("checkpoint: {} is truncated or unreadable: {}", r.path.string(), e.what()));
       }
@@ -115,36 +115,43 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
       got += k;
     }
   };
-  // A reader thread keeps the disk busy a span or two ahead (a ring of buffers) while this thread
-  // checks the CRCs and copies the bytes out.
+  // Reader threads keep the disk busy a few spans ahead (a ring of buffers) while this thread checks
+  // the CRCs and copies the bytes out. Reader r of R fetches spans r, r + R, …: while one waits
+  // for its span's last requests, the other's are already in flight, so the device sees one
+  // unbroken run of requests (a virtual disk's host reads ahead of such runs, and a drained queue
+  // costs a disk its depth at every span's end).
   const size_t slots = impl_->bufs.size();
   std::mutex mu;
   std::condition_variable cv;
-  size_t fetched = 0, consumed = 0;
+  std::vector<bool> ready(tasks.size(), false);
+  size_t consumed = 0;
   bool stop = false;
   std::exception_ptr failure;
-  std::thread reader([&] {
-    for (size_t t = 0; t < tasks.size(); ++t) {
+  const size_t n_readers = impl_->io.size();
+  auto read_loop = [&](size_t first) {
+    for (size_t t = first; t < tasks.size(); t += n_readers) {
       {
         std::unique_lock<std::mutex> lock(mu);
         cv.wait(lock, [&] { return stop || t - consumed < slots; });
         if (stop) return;
       }
       try {
-        fetch(tasks[t], impl_->bufs[t % slots]->data());
+        fetch(*impl_->io[first], tasks[t], impl_->bufs[t % slots]->data());
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
-        failure = std::current_exception();
+        if (!failure) failure = std::current_exception();
         cv.notify_all();
         return;
       }
       std::lock_guard<std::mutex> lock(mu);
-      fetched = t + 1;
+      ready[t] = true;
       cv.notify_all();
     }
-  });
-  struct Join {  // an error below stops and joins the reader
-    std::thread& th;
+  };
+  std::vector<std::thread> readers;
+  for (size_t r = 0; r < n_readers && r < tasks.size(); ++r) readers.emplace_back(read_loop, r);
+  struct Join {  // an error below stops and joins the readers
+    std::vector<std::thread>& th;
     std::mutex& mu;
     std::condition_variable& cv;
     bool& stop;
@@ -154,14 +161,14 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
         stop = true;
       }
       cv.notify_all();
-      th.join();
+      for (auto& t : th) t.join();
     }
-  } join{reader, mu, cv, stop};
+  } join{readers, mu, cv, stop};
   for (size_t t = 0; t < tasks.size(); ++t) {
     {
       std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [&] { return fetched > t || failure; });
-      if (fetched <= t) std::rethrow_exception(failure);
+      cv.wait(lock, [&] { return ready[t] || failure; });
+      if (!ready[t]) std::rethrow_exception(failure);
     }
     const Read& r = reads[tasks[t].read];
     const SavedFile& f = *r.file;

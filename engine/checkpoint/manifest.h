@@ -29,9 +29,9 @@ struct SavedFile {
 // Reads bytes [offset, offset + n) of checkpoint files into `out`, checking the CRC32C of every
 // block it touches; zeal::Error names the file and the block when one is missing or differs.
 // Whole blocks are read with O_DIRECT through the offload I/O engine (io_uring, 1 MiB requests,
-// up to 32 in flight) where the file system allows, a file's short last block with pread. A reader
-// thread stays up to three spans ahead of the checking, across all the requests of one read_many;
-// files stay open for the reader's life.
+// up to 32 in flight per reader) where the file system allows, a file's short last block with
+// pread. Reader threads (two by default), taking spans in turn, stay up to readers + 2 spans ahead
+// of the checking, across all the requests of one read_many; files stay open for the reader's life.
 class CheckedReader {
  public:
   struct Read {
@@ -45,7 +45,8 @@ class CheckedReader {
   using Sink = std::function<void(size_t read, int64_t at, const char* p, int64_t n)>;
   // span: bytes read at once. direct: whole blocks with O_DIRECT (no page cache); false: every read
   // through the page cache (a second read of the same bytes soon after then costs no disk time).
-  explicit CheckedReader(int64_t span = 32 << 20, bool direct = true);
+  // readers: threads reading spans in turn, each with its own requests in flight.
+  explicit CheckedReader(int64_t span = 32 << 20, bool direct = true, int readers = 2);
   ~CheckedReader();
   CheckedReader(const CheckedReader&) = delete;
   CheckedReader& operator=(const CheckedReader&) = delete;
