@@ -1,4 +1,4 @@
-// `zeal consolidate CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--max_shard_size 5GB]`: a checkpoint
+// `zeal consolidate CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--max_shard_size 5GB] [--merged]`: a checkpoint
 // engine.save_state wrote (at any world size and stage) as Hugging Face-style safetensors, one
 // tensor per parameter and buffer under the names the model's owner sees (transformers'), without
 // training ranks; memory holds one parameter at a time.
@@ -18,7 +18,7 @@ Runner add_consolidate_command(CLI::App& app) {
                                  "Write a checkpoint's weights as Hugging Face-style safetensors (no ranks needed)");
   struct Options {
     std::string ckpt, out, dtype = "fp32", max_shard_size = "5GB";
-    bool no_frozen = false, keep_names = false;
+    bool no_frozen = false, keep_names = false, merged = false;
   };
   auto o = std::make_shared<Options>();
   cmd->add_option("CKPT_DIR", o->ckpt, "The checkpoint (or a directory whose latest names it)")->required();
@@ -28,6 +28,7 @@ Runner add_consolidate_command(CLI::App& app) {
   cmd->add_flag("--no_frozen", o->no_frozen, "Leave frozen parameters out");
   cmd->add_flag("--keep_names", o->keep_names,
                 "The model's own names (zeal::Sharded's block level kept) and LoRA adapter tensors too");
+  cmd->add_flag("--merged", o->merged, "LoRA-adapted weights written merged: W + scaling·B·A (PEFT's merge_and_unload)");
   return [o] {
     try {
       ckpt::ConsolidateOptions c;
@@ -39,6 +40,7 @@ Runner add_consolidate_command(CLI::App& app) {
       }
       c.include_frozen = !o->no_frozen;
       c.model_names = !o->keep_names;
+      c.merged = o->merged;
       int64_t done = 0;
       const auto r = ckpt::consolidate(o->ckpt, o->out, c, [&](const std::string& name, int64_t bytes) {
         done += bytes;

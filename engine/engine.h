@@ -105,6 +105,10 @@ struct SaveModelOptions {
     bool transpose = false;
   };
   std::map<std::string, Rename> names;
+  // LoRA: write each adapted weight merged, W + scaling·B·A (PEFT's merge_and_unload; the sum taken
+  // in float64, rounded once), instead of the base weight W. The adapter tensors are never written
+  // (PeftModel::save_pretrained writes them). The model keeps its adapters.
+  bool merged = false;
 };
 
 // Reads Hugging Face-style safetensors weights (model.safetensors, or the files

@@ -15,6 +15,7 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "engine/checkpoint/manifest.h"
@@ -91,11 +92,44 @@ bool is_float(const std::string& d) { return d == "F32" || d == "BF16" || d == "
 
 struct Param {
   std::string name, dtype;  // dtype of its pieces
+  std::string own;          // the model's name
   std::vector<int64_t> shape;  // as saved (before a transpose)
   bool transpose = false;      // written transposed (2-D)
   int64_t numel = 1;
   std::vector<SavedPiece> pieces;
 };
+
+// The n elements at `bytes` (F32, BF16 or F16) as floats.
+std::vector<float> floats_of(const char* bytes, const std::string& dtype, int64_t n) {
+  std::vector<float> out(static_cast<size_t>(n));
+  for (int64_t e = 0; e < n; ++e) {
+    if (dtype == "F32") {
+      std::memcpy(&out[e], bytes + 4 * e, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, bytes + 2 * e, 2);
+      out[e] = dtype == "BF16" ? from_bf16(h) : from_f16(h);
+    }
+  }
+  return out;
+}
+
+// w[rows × cols] + scaling · b[rows × r] · a[r × cols], each element summed in float64 and rounded
+// once.
+void add_lora(std::vector<float>& w, const std::vector<float>& b, const std::vector<float>& a, int64_t rows, int64_t r,
+              int64_t cols, double scaling) {
+  std::vector<double> acc(static_cast<size_t>(cols));
+  for (int64_t i = 0; i < rows; ++i) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t k = 0; k < r; ++k) {
+      const double bk = b[i * r + k];
+      const float* ak = a.data() + k * cols;
+      for (int64_t j = 0; j < cols; ++j) acc[j] += bk * ak[j];
+    }
+    float* wi = w.data() + i * cols;
+    for (int64_t j = 0; j < cols; ++j) wi[j] = static_cast<float>(static_cast<double>(wi[j]) + scaling * acc[j]);
+  }
+}
 
 }  // namespace
 
@@ -195,12 +229,41 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
   std::map<std::string, size_t> index;
   // The model's buffers are written too (BatchNorm's statistics; saved by rank 0, whole).
   const json renames = o.model_names && m.contains("export_names") ? m["export_names"] : json::object();
+  // With `merged`: each adapted weight's layer (by the weight's model name), and the adapters'
+  // tensors, read beside it.
+  const json lora = o.merged && m.contains("lora") ? m["lora"] : json::object();
+  if (o.merged && !o.model_names) {
+    throw Error("merged: LoRA-adapted weights are written merged only under the names the model's owner sees (not with "
+                "--keep_names, which writes the adapter tensors too)");
+  }
+  if (o.merged && lora.empty()) {
+    throw Error(fmt::format("merged: {} holds no active LoRA adapters to merge (none were saved with it, or it was saved "
+                            "before checkpoints recorded their scaling)",
+                            dir.string()));
+  }
+  std::set<std::string> adapter_names;
+  for (const auto& [w, layer] : lora.items()) {
+    adapter_names.insert(layer["A"].get<std::string>());
+    adapter_names.insert(layer["B"].get<std::string>());
+  }
+  std::map<std::string, Param> adapters;  // by model name
   std::set<std::string> used;  // o.rename's names met
   std::map<std::string, std::string> source;  // each name written: the model's name it comes from
   for (const auto& p : m["pieces"]) {
     const std::string kind = p["kind"].get<std::string>();
     if (kind != "master" && kind != "buffer" && !(kind == "param" && o.include_frozen)) continue;
     const std::string own = p["name"].get<std::string>();
+    if (adapter_names.count(own)) {  // kept apart, for the merge
+      Param& q = adapters[own];
+      if (q.pieces.empty()) {
+        q.name = q.own = own;
+        q.dtype = p["dtype"].get<std::string>();
+        q.shape = p["shape"].get<std::vector<int64_t>>();
+        for (int64_t d : q.shape) q.numel *= d;
+      }
+      q.pieces.push_back({p["file"].get<std::string>(), p["dtype"].get<std::string>(), p["begin"].get<int64_t>(),
+                          p["count"].get<int64_t>(), p["offset"].get<int64_t>()});
+    }
     std::string name = own;
     if (const auto r = renames.find(own); r != renames.end()) {
       if (r->is_null()) continue;  // an adapter tensor
@@ -220,6 +283,7 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
     if (fresh) {
       Param q;
       q.name = name;
+      q.own = own;
       q.dtype = p["dtype"].get<std::string>();
       q.shape = p["shape"].get<std::vector<int64_t>>();
       q.transpose = transpose;
@@ -271,6 +335,51 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
   std::vector<char> src;
   std::vector<char> dst;
   CheckedReader reader(8 << 20);  // small buffers: the memory is the largest parameter's
+  // All of p's elements, checked, into `out` (p's dtype).
+  auto read_param = [&](const Param& p, std::vector<char>& out) {
+    const int64_t es = dtype_size(p.dtype);
+    out.resize(static_cast<size_t>(p.numel * es));
+    int64_t covered = 0;
+    for (const SavedPiece& s : p.pieces) {
+      if (s.dtype != p.dtype) throw Error(fmt::format("the pieces of '{}' differ in dtype", p.name));
+      if (s.begin < 0 || s.count < 0 || s.begin + s.count > p.numel) {
+        throw Error(fmt::format("a piece of '{}' lies outside its {} elements", p.name, p.numel));
+      }
+      reader.read(dir / s.file, files.at(s.file), s.offset, s.count * es, out.data() + s.begin * es);
+      covered += s.count;
+    }
+    if (covered != p.numel) {
+      throw Error(fmt::format("the checkpoint covers {} of the {} elements of '{}'", covered, p.numel, p.name));
+    }
+  };
+  // The adapted weight p (its bytes in `bytes`) merged with its layer's adapters, in place.
+  auto merge = [&](const Param& p, const json& layer, std::vector<char>& bytes) {
+    const std::string an = layer["A"].get<std::string>(), bn = layer["B"].get<std::string>();
+    if (!adapters.count(an) || !adapters.count(bn)) {
+      throw Error(fmt::format("merged: the checkpoint lacks the LoRA adapters of '{}' ({}, {})", p.own, an, bn));
+    }
+    const Param &a = adapters.at(an), &b = adapters.at(bn);
+    if (p.shape.size() != 2 || a.shape.size() != 2 || b.shape.size() != 2 || b.shape[0] != p.shape[0] ||
+        a.shape[1] != p.shape[1] || a.shape[0] != b.shape[1] || !is_float(p.dtype)) {
+      throw Error(fmt::format("merged: '{}' {} does not take its adapters' B {} · A {}", p.own, fmt::join(p.shape, "×"),
+                              fmt::join(b.shape, "×"), fmt::join(a.shape, "×")));
+    }
+    std::vector<char> ab, bb;
+    read_param(a, ab);
+    read_param(b, bb);
+    std::vector<float> w = floats_of(bytes.data(), p.dtype, p.numel);
+    add_lora(w, floats_of(bb.data(), b.dtype, b.numel), floats_of(ab.data(), a.dtype, a.numel), p.shape[0], a.shape[0],
+             p.shape[1], layer["scaling"].get<double>());
+    bytes.resize(static_cast<size_t>(p.numel * dtype_size(p.dtype)));
+    for (int64_t e = 0; e < p.numel; ++e) {
+      if (p.dtype == "F32") {
+        std::memcpy(bytes.data() + 4 * e, &w[e], 4);
+      } else {
+        const uint16_t h = p.dtype == "BF16" ? to_bf16(w[e]) : to_f16(w[e]);
+        std::memcpy(bytes.data() + 2 * e, &h, 2);
+      }
+    }
+  };
   for (size_t k = 0; k < shards.size(); ++k) {
     const std::string name = shards.size() == 1 ? "model.safetensors"
                                                 : fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
@@ -285,19 +394,8 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
     for (size_t i : shards[k]) {
       const Param& p = params[i];
       const int64_t es = dtype_size(p.dtype);
-      src.resize(static_cast<size_t>(p.numel * es));
-      int64_t covered = 0;
-      for (const SavedPiece& s : p.pieces) {
-        if (s.dtype != p.dtype) throw Error(fmt::format("the pieces of '{}' differ in dtype", p.name));
-        if (s.begin < 0 || s.count < 0 || s.begin + s.count > p.numel) {
-          throw Error(fmt::format("a piece of '{}' lies outside its {} elements", p.name, p.numel));
-        }
-        reader.read(dir / s.file, files.at(s.file), s.offset, s.count * es, src.data() + s.begin * es);
-        covered += s.count;
-      }
-      if (covered != p.numel) {
-        throw Error(fmt::format("the checkpoint covers {} of the {} elements of '{}'", covered, p.numel, p.name));
-      }
+      read_param(p, src);
+      if (const auto layer = lora.find(p.own); layer != lora.end()) merge(p, *layer, src);
       if (p.transpose) {  // [rows, cols] → [cols, rows], element by element
         const int64_t rows = p.shape[0], cols = p.shape[1];
         std::vector<char> t(src.size());

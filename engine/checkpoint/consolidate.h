@@ -27,6 +27,9 @@ struct ConsolidateOptions {
   // Applied after model_names: a name written → {the name to write instead, written transposed (2-D)}
   // (engine.save_model's SaveModelOptions::names).
   std::map<std::string, std::pair<std::string, bool>> rename;
+  // Each LoRA-adapted weight written merged, W + scaling·B·A (the manifest's "lora": the layers whose
+  // adapters were active at the save), the sum in float64 rounded once; needs model_names.
+  bool merged = false;
 };
 
 struct ConsolidateResult {

@@ -143,6 +143,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
   meta["optimizer_steps"] = optimizer_steps_;
   meta["skipped_steps"] = skipped_steps_;  // steps an overflow skipped: steps_per_print counts both
   meta["export_names"] = export_names(*state_->module);
+  meta["lora"] = lora_layers(*state_->module);  // what an export with `merged` adds into each weight
   json scheds = json::array();
   for (const auto& s : state_->schedulers) scheds.push_back({{"seen_steps", s.seen_steps}});
   meta["schedulers"] = scheds;
@@ -591,6 +592,7 @@ std::vector<std::string> Engine::save_model(const std::string& dir, const SaveMo
       ckpt::ConsolidateOptions o;
       o.dtype = dtype;
       o.max_shard_size = options.max_shard_size;
+      o.merged = options.merged;
       for (const auto& [from, to] : options.names) o.rename[from] = {to.name, to.transpose};
       files = ckpt::consolidate(state.string(), dir, o).files;
     } catch (const std::exception& e) {

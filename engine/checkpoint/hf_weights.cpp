@@ -26,6 +26,7 @@
 #include "engine/engine_state.h"
 #include "engine/error.h"
 #include "engine/peft/lora.h"
+#include "engine/peft/slots.h"
 
 namespace zeal {
 
@@ -56,6 +57,24 @@ json export_names(const torch::nn::Module& model) {
   };
   for (const auto& item : model.named_parameters(true)) add(item.key());
   for (const auto& item : model.named_buffers(true)) add(item.key());
+  return out;
+}
+
+json lora_layers(const torch::nn::Module& model) {
+  std::map<const void*, std::string> name_of;
+  for (const auto& item : model.named_parameters(true)) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  json out = json::object();
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    peft::detail::Slot slot;
+    if (!peft::detail::find_slot(item.value().get(), &slot)) continue;
+    const auto* lin = dynamic_cast<const torch::nn::LinearImpl*>(item.value().get());
+    const auto w = lin ? name_of.find(lin->weight.unsafeGetTensorImpl()) : name_of.end();
+    const auto a = name_of.find(slot.A->weight.unsafeGetTensorImpl()), b = name_of.find(slot.B->weight.unsafeGetTensorImpl());
+    if (w == name_of.end() || a == name_of.end() || b == name_of.end()) {
+      throw Error(fmt::format("the LoRA adapters of '{}' are not parameters of the model", item.key()));
+    }
+    out[w->second] = {{"A", a->second}, {"B", b->second}, {"scaling", slot.scaling}};
+  }
   return out;
 }
 

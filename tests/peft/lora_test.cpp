@@ -161,8 +161,15 @@ void train_lora(int stage, int world, const std::string& dir, bool init, int ste
           o.zero_grad();
         }
         peft.save_pretrained(dir + "/adapter", &engine);
+        engine.save_model(dir + "/export_merged", {.merged = true});  // merged in the export, not in the model
         peft.merge_and_unload(&engine);
         peft.save_merged(dir + "/merged", &engine);
+        try {  // merged into the model now: nothing is left to merge, and the export says so
+          engine.save_model(dir + "/export_again", {.merged = true});
+          throw std::runtime_error("save_model({.merged = true}) after merge_and_unload: no error");
+        } catch (const zeal::Error& e) {
+          if (std::string(e.what()).find("holds no active LoRA adapters to merge") == std::string::npos) throw;
+        }
       },
       world);
   for (const auto& res : results) ASSERT_TRUE(res.ok()) << "rank " << res.rank << ": " << res.failure;
@@ -528,6 +535,14 @@ TEST(Lora, EveryStageAndWorldSizeTrainsTheSameAdapters) {
       } else {
         EXPECT_TRUE(at::equal(merged.tensors.at(k), w0)) << k << " is frozen and must not change";
       }
+    }
+    // engine.save_model with `merged`, before the merge: the same weights within the rounding of its
+    // float64 sum against merge_and_unload's float32 one, and no adapter tensors.
+    const StFile exported = read_st(dir + "/export_merged/model.safetensors");
+    EXPECT_EQ(exported.tensors.size(), merged.tensors.size());
+    for (const auto& [k, t] : merged.tensors) {
+      ASSERT_TRUE(exported.tensors.count(k)) << k;
+      EXPECT_LT((exported.tensors.at(k) - t).abs().max().item<double>(), 1e-6) << k;
     }
   }
   fs::remove_all(root);

@@ -4,7 +4,8 @@
 //   minilm_check train MODEL_DIR SENTENCES OUT_DIR     (under zeal launch, any stage): LoRA on
 //       query/value + the classifier as a module to save, 20 AdamW steps on fixed batches; writes
 //       OUT_DIR/initial (the adapter before training), OUT_DIR/final, result.json (losses, logits,
-//       and the logits under disable_adapter()), OUT_DIR/export (engine.save_model) and OUT_DIR/base
+//       and the logits under disable_adapter()), OUT_DIR/export and OUT_DIR/export_merged
+//       (engine.save_model, without and with `merged`) and OUT_DIR/base
 //       (save_merged before merging: the base model, the classifier's original values)
 //   minilm_check eval MODEL_DIR SENTENCES ADAPTER OUT.json   logits with an adapter Python saved
 //   minilm_check export MODEL_DIR SENTENCES OUT_DIR    (under zeal launch): two full fine-tuning
@@ -173,6 +174,7 @@ int main(int argc, char** argv) {
     }
     peft.save_pretrained(out + "/final", &engine);
     engine.save_model(out + "/export");  // the base model's names, no adapter tensors
+    engine.save_model(out + "/export_merged", {.merged = true});  // the adapters merged into the weights
     peft.save_merged(out + "/base", &engine);  // the base model: the classifier as it was before training
     at::Tensor logits, disabled;
     {

@@ -209,6 +209,22 @@ for name, d_dir, r in (("stage 0", z0_dir, z0), ("stage 3", z3_dir, z3)):
     d = (got - tensor(r["logits"])).abs().max().item()
     check(d <= 1e-5, f"LoRA {name}: the export plus peft's adapter gives zeal's logits (max |difference| {d:.2e})")
 
+# save_model with `merged`: transformers alone (no peft) gives zeal's logits, and every weight is
+# peft's merge_and_unload of the plain export and zeal's adapter.
+for name, d_dir, r in (("stage 0", z0_dir, z0), ("stage 3", z3_dir, z3)):
+    with torch.no_grad():
+        merged = load_export(os.path.join(d_dir, "export_merged"))
+        got = merged(input_ids=i, attention_mask=msk).logits.double()
+        ref = peft.PeftModel.from_pretrained(load_export(os.path.join(d_dir, "export")), os.path.join(d_dir, "final")).merge_and_unload()
+        want = dict(ref.state_dict())
+        wd = max((v.double() - want[k].double()).abs().max().item() for k, v in merged.state_dict().items())
+        changed = max((merged.state_dict()[k].double() - v.double()).abs().max().item()
+                      for k, v in load_export(os.path.join(d_dir, "export")).state_dict().items())
+    d = (got - tensor(r["logits"])).abs().max().item()
+    check(d <= 1e-5, f"LoRA {name}: the merged export alone in transformers gives zeal's logits (max |difference| {d:.2e})")
+    check(changed > 1e-4 and wd <= 1e-6,
+          f"LoRA {name}: the merged export's weights are peft's merge_and_unload's (max |difference| {wd:.2e}; merging moved them by {changed:.2e})")
+
 # save_merged before merging: the base model, the classifier's original values (transformers loads
 # it and gives the disabled model's logits).
 for name, d_dir in (("stage 0", z0_dir), ("stage 3", z3_dir)):
