@@ -16,6 +16,11 @@
 //
 //   build/bin/offload_bench [--dir D] [--gib G] [--queue_depth Q] [--rounds R]
 //                           [--step_params S] [--sub_group W] [--steps K] [--partition_mib P] [--json PATH]
+//   build/bin/offload_bench --step_model MODEL [--step_tokens T] [--step_model_steps K] [--rounds R]
+//                           [--dir D] [--json PATH]
+//
+// --step_model runs only a train_gpt preset's whole training step with its state on NVMe against the
+// same step in memory (benchmarks/offload_step_model.h).
 //
 // D defaults to build/ (the disk the build is on); zeal and fio use one file there (the same extents
 // on the disk), so G GiB and 1 GiB spare must be free, checked before anything is written, and 12·S
@@ -41,6 +46,7 @@
 
 #include <ATen/ATen.h>
 
+#include "benchmarks/offload_step_model.h"
 #include "benchmarks/rounds.h"
 #include "engine/optim/optimizer.h"
 #include "engine/zero/offload_state.h"
@@ -185,6 +191,7 @@ int main(int argc, char** argv) {
   int qd = 16, rounds = 3, steps = 3;
   int64_t step_params = 1'000'000'000, sub_group = 100'000'000;
   int64_t partition = int64_t{64} << 20;  // bytes per write or read call of the I/O measurement
+  zeal_bench::StepModelOptions step_model;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -201,6 +208,9 @@ int main(int argc, char** argv) {
       else if (a == "--sub_group") sub_group = static_cast<int64_t>(std::stod(next()));
       else if (a == "--steps") steps = std::stoi(next());
       else if (a == "--partition_mib") partition = std::stoll(next()) << 20;
+      else if (a == "--step_model") step_model.model = next();
+      else if (a == "--step_tokens") step_model.seq_len = std::stoll(next());
+      else if (a == "--step_model_steps") step_model.steps = std::stoi(next());
       else throw std::invalid_argument("unknown flag " + a);
     }
     if (gib < 1 || qd < 1 || rounds < 1 || steps < 1 || sub_group < 1 || step_params < 0 || partition < (1 << 20) ||
@@ -209,8 +219,34 @@ int main(int argc, char** argv) {
                                   "divides --gib's bytes");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "offload_bench: %s\nusage: offload_bench [--dir D] [--gib G] [--queue_depth Q] [--rounds R] "
-                         "[--step_params S] [--sub_group W] [--steps K] [--partition_mib P] [--json PATH]\n", e.what());
+                         "[--step_params S] [--sub_group W] [--steps K] [--partition_mib P] [--json PATH]\n"
+                         "       offload_bench --step_model MODEL [--step_tokens T] [--step_model_steps K] [--rounds R] "
+                         "[--dir D] [--json PATH]\n", e.what());
     return 2;
+  }
+  if (!step_model.model.empty()) {
+    // The model's whole step on NVMe against in memory, alone.
+    step_model.dir = dir;
+    step_model.bin = std::string(ZEAL_BUILD_DIR) + "/bin";
+    step_model.rounds = rounds;
+    zeal_bench::Environment env;
+    env.begin();
+    nlohmann::json out;
+    try {
+      out["step_model"] = zeal_bench::run_step_model(step_model);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "offload_bench: %s\n", e.what());
+      return 1;
+    }
+    env.end();
+    out["nvme_step_ratio_vs_in_memory"] = out["step_model"]["nvme_step_ratio_vs_in_memory"];
+    out["environment"] = env.json();
+    env.print();
+    if (!json_path.empty()) {
+      zeal::write_file_whole(json_path, out.dump(2).append("\n"), "--json");
+      std::printf("wrote %s\n", json_path.c_str());
+    }
+    return 0;
   }
   try {
     (void)run("fio --version");
