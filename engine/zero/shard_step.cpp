@@ -280,7 +280,18 @@ void ShardStep::offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::
   fused_ = true;
 }
 
+ShardStep::~ShardStep() {
+  if (pending_write_.valid()) pending_write_.wait();  // its error, if any, has no one left to hear it
+}
+
+void ShardStep::finish_writes() {
+  if (!pending_write_.valid()) return;
+  detail::ScopedWait waiting(detail::WaitKind::kWrite);
+  pending_write_.get();  // rethrows the write-back's I/O error
+}
+
 void ShardStep::apply_nvme(double inv_scale) {
+  finish_writes();  // the previous step's last window, before its buffers and file regions are used again
   double scale = 1.0;
   if (!grad32_ready_) scale = inv_scale * pending_scale_;
   const auto out_type = kernel_dtype(host_out_.scalar_type());
@@ -381,7 +392,21 @@ void ShardStep::apply_nvme(double inv_scale) {
       for (const Back& b : back)
         if (b.lo + b.n == b.piece->offset + b.piece->grad.numel()) hooks_.leave(static_cast<size_t>(b.piece - pieces_.data()));
     }
-    if (S < 3 || next >= total_) {
+    if (next >= total_) {
+      // The last window goes out while the training goes on: the next apply, a checkpoint's access
+      // to the state, or the destructor waits for it. What it needs is copied (this object may move).
+      struct Slice {
+        void* buf;
+        int64_t off;
+      };
+      const int64_t bytes = io_bytes(a);
+      const std::vector<Slice> slices{{win_master_[k].data_ptr(), a * 4},
+                                      {win_m_[k].data_ptr(), region_bytes_ + a * 4},
+                                      {win_v_[k].data_ptr(), 2 * region_bytes_ + a * 4}};
+      pending_write_ = std::async(std::launch::async, [file = swap_, io = writer_.get(), slices, bytes] {
+        for (const Slice& s : slices) file->write(*io, s.buf, bytes, s.off);
+      });
+    } else if (S < 3) {
       detail::ScopedWait waiting(detail::WaitKind::kWrite);
       write(a, k);
     }
@@ -540,6 +565,7 @@ const float* ShardStep::host_state(const std::string& what, int64_t index, int64
 
 void ShardStep::state_io(const std::string& what, int64_t index, int64_t n, float* buf, bool write) {
   if (n <= 0) return;
+  finish_writes();
   ZEAL_CHECK(index >= 0 && index + n <= total_) << "state range [" << index << ", " << index + n
                                                   << ") outside a partition of " << total_;
   c10::NoGradGuard no_grad;

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,6 +65,14 @@ class ShardStep {
   // fp32), or undefined.
   ShardStep(at::Tensor master, std::unique_ptr<optim::Optimizer> optimizer, std::vector<Piece> pieces,
             at::Tensor grad32_alias = {});
+  // Waits for a write-back still in flight (offload_to_nvme).
+  ~ShardStep();
+  // With the state on NVMe, apply() returns while the last window is still being written (it
+  // overlaps what comes next); this waits for it and rethrows its I/O error. The next apply and every
+  // access to the state call it first.
+  void finish_writes();
+  ShardStep(ShardStep&&) = default;
+  ShardStep& operator=(ShardStep&&) = default;
   // Whether parameters computing in `compute` on `device` can be their own master weights.
   static bool can_alias(const optim::Optimizer& optimizer, at::ScalarType compute, at::Device device);
 
@@ -194,6 +203,9 @@ class ShardStep {
   int sets_ = 3;
   at::Tensor win_master_[3], win_m_[3], win_v_[3];
   std::unique_ptr<offload::IoEngine> writer_;  // the write-back's own engine (the file's reads)
+  // The last window's write-back, left in flight when apply returns so that it overlaps the next
+  // forward and backward; waited for (its error rethrown) before anything touches the swap again.
+  std::future<void> pending_write_;
 
   std::shared_ptr<offload::HostArena> arena_;
   bool local_ = false;  // offloaded to the host memory it computes in (a CPU partition): no step buffers
