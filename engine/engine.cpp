@@ -633,16 +633,16 @@ void Engine::build_zero() {
     auto nv = std::make_shared<zero::NvmeOffload>();
     nv->dir = swap_dir(config_.zero.offload_optimizer.nvme_path);
     nv->io = state_->io;
-    // sub_group_size bounds a window, and so does kMaxNvmeWindowElems (DeepSpeed's default of 1e9
-    // would ask for 64 GB per rank).
-    nv->sub_group_elems = std::min<int64_t>(config_.zero.sub_group_size, kMaxNvmeWindowElems);
-    if (config_.zero.sub_group_size > kMaxNvmeWindowElems) {
+    // sub_group_size sets a window, up to kMaxNvmeSubGroup (DeepSpeed's default of 1e9 would ask for
+    // 64 GB per rank).
+    nv->sub_group_elems = nvme_window_elems(config_.zero.sub_group_size);
+    if (config_.zero.sub_group_size > kMaxNvmeSubGroup) {
       log::info("offload: the optimizer's nvme windows hold {} elements (sub_group_size {} would keep about {} of "
-                "window buffers in host memory per rank)",
-                kMaxNvmeWindowElems, config_.zero.sub_group_size,
+                "window buffers in host memory per rank; a sub_group_size of at most {} is taken as it is)",
+                kDefaultNvmeWindowElems, config_.zero.sub_group_size,
                 format_bytes(static_cast<double>(nvme_window_bytes_per_elem(static_cast<int>(
                                  std::min<int64_t>(config_.zero.offload_optimizer.buffer_count, 3)))) *
-                             static_cast<double>(config_.zero.sub_group_size)));
+                             static_cast<double>(config_.zero.sub_group_size)), kMaxNvmeSubGroup);
     }
     nv->buffer_sets = static_cast<int>(std::min<int64_t>(config_.zero.offload_optimizer.buffer_count, 3));
     state_->nvme = nv;

@@ -409,7 +409,7 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   // Offload buffers: NVMe windows (up to three sets of master, m, v, gradients and the gradients'
   // read buffer, plus the result window);
   // CPU offload: the step's gradient and result buffers.
-  const double window = std::min({static_cast<double>(r.sub_group_size), static_cast<double>(kMaxNvmeWindowElems), mo_share});
+  const double window = std::min(static_cast<double>(nvme_window_elems(r.sub_group_size)), mo_share);
   if (r.offload_optimizer == Offload::kNvme) {
     add("offload windows", (20.0 * std::clamp(r.buffer_count, 1, 3) + P) * window, "host");
   } else if (r.offload_optimizer == Offload::kCpu && !local_offload) {

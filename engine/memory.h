@@ -53,11 +53,16 @@ struct StageModel {
 };
 double expected_model_state_bytes(const StageModel& m);
 
-// offload_optimizer.device nvme: the most elements one optimizer window holds, whatever
-// sub_group_size says — beyond 8 MiB per tensor (DeepSpeed's aio defaults: 1 MiB requests, 8 in
-// flight) a window only costs host memory: three buffer sets of master, m, v, the gradients and
-// their read buffer.
-constexpr int64_t kMaxNvmeWindowElems = int64_t{1} << 21;
+// offload_optimizer.device nvme: the elements one optimizer window holds. sub_group_size sets it, as
+// in DeepSpeed, up to kMaxNvmeSubGroup (67 M elements: about 4.3 GB of window buffers per rank with
+// three sets); a larger one — DeepSpeed's default of 1e9 would ask for 64 GB per rank — gets
+// kDefaultNvmeWindowElems (8 MiB per tensor). Larger windows cost host memory and make the disk's
+// runs of requests longer (docs/offload.md has a measurement).
+constexpr int64_t kDefaultNvmeWindowElems = int64_t{1} << 21;
+constexpr int64_t kMaxNvmeSubGroup = int64_t{1} << 26;
+constexpr int64_t nvme_window_elems(int64_t sub_group_size) {
+  return sub_group_size > kMaxNvmeSubGroup ? kDefaultNvmeWindowElems : (sub_group_size < 1 ? 1 : sub_group_size);
+}
 // Host bytes per window element: per buffer set master, m, v, gradients (fp32) and the gradients'
 // read buffer, times the sets, plus the result window (at most fp32).
 constexpr int64_t nvme_window_bytes_per_elem(int buffer_sets) { return 20 * buffer_sets + 4; }

@@ -239,7 +239,7 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
     if (alias_master[g]) continue;
     spools[g].file = std::make_shared<offload::SwapFile>(opts_.nvme->dir, opts_.nvme->io,
                                                         "optimizer_group" + std::to_string(g) + ".swp");
-    spools[g].cap = std::clamp<int64_t>(opts_.nvme->sub_group_elems, 1024, kMaxNvmeWindowElems) / 1024 * 1024;
+    spools[g].cap = std::clamp<int64_t>(opts_.nvme->sub_group_elems, 1024, kDefaultNvmeWindowElems) / 1024 * 1024;
     spools[g].buf = std::make_unique<offload::AlignedBuffer>(spools[g].cap * 4);
   }
   int64_t persistent_bytes = 0;
