@@ -16,7 +16,7 @@
 //
 //   build/bin/offload_bench [--dir D] [--gib G] [--queue_depth Q] [--rounds R]
 //                           [--step_params S] [--sub_group W] [--steps K] [--partition_mib P] [--json PATH]
-//   build/bin/offload_bench --step_model MODEL [--step_tokens T] [--step_model_steps K] [--rounds R]
+//   build/bin/offload_bench --step_model MODEL [--step_tokens T] [--step_model_steps K] [--step_sub_group W] [--rounds R]
 //                           [--dir D] [--json PATH]
 //
 // --step_model runs only a train_gpt preset's whole training step with its state on NVMe against the
@@ -211,6 +211,7 @@ int main(int argc, char** argv) {
       else if (a == "--step_model") step_model.model = next();
       else if (a == "--step_tokens") step_model.seq_len = std::stoll(next());
       else if (a == "--step_model_steps") step_model.steps = std::stoi(next());
+      else if (a == "--step_sub_group") step_model.sub_group_size = static_cast<int64_t>(std::stod(next()));
       else throw std::invalid_argument("unknown flag " + a);
     }
     if (gib < 1 || qd < 1 || rounds < 1 || steps < 1 || sub_group < 1 || step_params < 0 || partition < (1 << 20) ||
@@ -220,7 +221,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "offload_bench: %s\nusage: offload_bench [--dir D] [--gib G] [--queue_depth Q] [--rounds R] "
                          "[--step_params S] [--sub_group W] [--steps K] [--partition_mib P] [--json PATH]\n"
-                         "       offload_bench --step_model MODEL [--step_tokens T] [--step_model_steps K] [--rounds R] "
+                         "       offload_bench --step_model MODEL [--step_tokens T] [--step_model_steps K] [--step_sub_group W] [--rounds R] "
                          "[--dir D] [--json PATH]\n", e.what());
     return 2;
   }

@@ -32,7 +32,9 @@ struct RunResult {
   double peak_rss = 0;
 };
 
-RunResult run_once(const StepModelOptions& o, bool nvme, const std::string& work, int port) {
+// kind 0: in memory; 1: NVMe, sub_group_size 1e9; 2: NVMe, o.sub_group_size.
+RunResult run_once(const StepModelOptions& o, int kind, const std::string& work, int port) {
+  const bool nvme = kind > 0;
   const std::string config = work + "/config.yaml", log = work + "/steps.jsonl", swap = o.dir + "/offload_step_model.swap";
   {
     std::ofstream f(config);
@@ -40,7 +42,9 @@ RunResult run_once(const StepModelOptions& o, bool nvme, const std::string& work
       << "  zero3_init_flag: true\n  gradient_accumulation_steps: 1\n  gradient_clipping: 1.0\n"
       << "zero_optimization:\n  stage3_prefetch_bucket_size: 5e7\n  stage3_param_persistence_threshold: 1e5\n"
       << "  stage3_max_live_parameters: 1e9\n  stage3_max_reuse_distance: 1e9\n"
-      << (nvme ? "  offload_param:\n    max_in_cpu: 0\n" : "") << "steps_per_print: 1\nwall_clock_breakdown: true\n";
+      << (nvme ? "  offload_param:\n    max_in_cpu: 0\n" : "")
+      << (kind == 2 ? fmt::format("  sub_group_size: {}\n", o.sub_group_size) : std::string("  sub_group_size: 1e9\n"))
+      << "steps_per_print: 1\nwall_clock_breakdown: true\n";
   }
   std::string flags;
   if (nvme) {
@@ -86,36 +90,38 @@ json run_step_model(const StepModelOptions& o) {
               "rounds; NVMe in %s\n",
               o.model.c_str(), static_cast<long long>(o.seq_len), o.steps, o.rounds, o.dir.c_str());
   std::fflush(stdout);
-  std::vector<RunResult> mem, nvme;
+  const int kinds = o.sub_group_size > 0 ? 3 : 2;
+  const char* names[] = {"in memory", "nvme", "nvme, sub_group_size set"};
+  std::vector<std::vector<RunResult>> runs(kinds);
   int port = 29700;
   for (int round = 0; round < o.rounds; ++round) {
-    for (int k = 0; k < 2; ++k) {
-      const bool on_nvme = (k + round) % 2 == 1;
-      RunResult r = run_once(o, on_nvme, work, port++);
+    for (int k = 0; k < kinds; ++k) {
+      const int kind = (k + round) % kinds;
+      RunResult r = run_once(o, kind, work, port++);
       std::printf("  round %d, %s: %.2f s per step (%.2f–%.2f), peak resident set %.2f GiB on rank 0\n", round + 1,
-                  on_nvme ? "nvme" : "in memory", Series{r.step_s}.median(), Series{r.step_s}.min(),
-                  Series{r.step_s}.max(), r.peak_rss / double(1 << 30));
+                  names[kind], Series{r.step_s}.median(), Series{r.step_s}.min(), Series{r.step_s}.max(),
+                  r.peak_rss / double(1 << 30));
       std::fflush(stdout);
-      (on_nvme ? nvme : mem).push_back(std::move(r));
+      runs[kind].push_back(std::move(r));
     }
   }
   fs::remove_all(work);
-  Series m, n, m_tok, n_tok;
-  for (int i = 0; i < o.rounds; ++i) {
-    m.values.push_back(Series{mem[i].step_s}.median()), n.values.push_back(Series{nvme[i].step_s}.median());
-    m_tok.values.push_back(Series{mem[i].tokens_per_s}.median()), n_tok.values.push_back(Series{nvme[i].tokens_per_s}.median());
+  std::vector<Series> step(kinds), tok(kinds);
+  for (int kind = 0; kind < kinds; ++kind) {
+    for (const auto& r : runs[kind]) {
+      step[kind].values.push_back(Series{r.step_s}.median());
+      tok[kind].values.push_back(Series{r.tokens_per_s}.median());
+    }
   }
-  const Ratio ratio = zeal_bench::ratio(n, m);
   // The breakdown of each: the median over all its runs' steps.
-  auto breakdown = [](const std::vector<RunResult>& runs) {
+  auto breakdown = [](const std::vector<RunResult>& rs) {
     std::map<std::string, double> out;
     std::map<std::string, std::vector<double>> all;
-    for (const auto& r : runs)
+    for (const auto& r : rs)
       for (const auto& [k, v] : r.time_ms) all[k].insert(all[k].end(), v.begin(), v.end());
     for (const auto& [k, v] : all) out[k] = Series{v}.median();
     return out;
   };
-  const auto bm = breakdown(mem), bn = breakdown(nvme);
   auto line = [](const std::map<std::string, double>& b) {
     auto at = [&](const char* k) { return b.count(k) ? b.at(k) : 0.0; };
     return fmt::format("forward {:.0f}, backward {:.0f}, step {:.0f}; waiting for reductions {:.0f}, gathers {:.0f}, "
@@ -123,21 +129,29 @@ json run_step_model(const StepModelOptions& o) {
                        at("forward"), at("backward"), at("step"), at("wait_reductions"), at("wait_gathers"),
                        at("wait_reads"), at("wait_writes"));
   };
-  std::printf("| %s step | in memory %.2f s (%.2f–%.2f), %.0f tokens/s | nvme %.2f s (%.2f–%.2f), %.0f tokens/s | "
-              "nvme / in memory %s (goal <= 1.3) |\n",
-              o.model.c_str(), m.median(), m.min(), m.max(), m_tok.median(), n.median(), n.min(), n.max(),
-              n_tok.median(), ratio.text().c_str());
-  std::printf("  ms per step, in memory: %s\n  ms per step, nvme:      %s\n", line(bm).c_str(), line(bn).c_str());
-  json out = {{"model", o.model},
-              {"seq_len", o.seq_len},
-              {"steps_per_run", o.steps},
-              {"in_memory_step_s", m.values},
-              {"nvme_step_s", n.values},
-              {"in_memory_tokens_per_s", m_tok.values},
-              {"nvme_tokens_per_s", n_tok.values},
-              {"in_memory_time_ms", bm},
-              {"nvme_time_ms", bn}};
-  put_ratio(out, "nvme_step_ratio_vs_in_memory", ratio);
+  json out = {{"model", o.model}, {"seq_len", o.seq_len}, {"steps_per_run", o.steps}};
+  const char* keys[] = {"in_memory", "nvme", "nvme_sub_group"};
+  for (int kind = 0; kind < kinds; ++kind) {
+    const auto b = breakdown(runs[kind]);
+    out[std::string(keys[kind]) + "_step_s"] = step[kind].values;
+    out[std::string(keys[kind]) + "_tokens_per_s"] = tok[kind].values;
+    out[std::string(keys[kind]) + "_time_ms"] = b;
+    double peak = 0;
+    for (const auto& r : runs[kind]) peak = std::max(peak, r.peak_rss);
+    out[std::string(keys[kind]) + "_peak_rss_bytes"] = peak;
+    std::string ratio_text = "";
+    if (kind > 0) {
+      const Ratio ratio = zeal_bench::ratio(step[kind], step[0]);
+      put_ratio(out, kind == 1 ? "nvme_step_ratio_vs_in_memory" : "nvme_sub_group_step_ratio_vs_in_memory", ratio);
+      ratio_text = fmt::format(" | / in memory {} (goal <= 1.3)", ratio.text());
+    }
+    std::printf("| %s step, %s%s | %.2f s (%.2f–%.2f), %.0f tokens/s, peak resident set %.2f GiB (rank 0)%s |\n",
+                o.model.c_str(), names[kind],
+                kind == 2 ? fmt::format(" to {}", o.sub_group_size).c_str() : "", step[kind].median(),
+                step[kind].min(), step[kind].max(), tok[kind].median(), peak / double(1 << 30), ratio_text.c_str());
+    std::printf("  ms per step: %s\n", line(b).c_str());
+  }
+  if (kinds == 3) out["sub_group_size"] = o.sub_group_size;
   return out;
 }
 
