@@ -194,3 +194,14 @@ TEST(Memory, FreedTensorsLeaveTheResidentSet) {
   EXPECT_EQ(zeal::describe_failures(results), "");
   }
 }
+
+// offload_optimizer nvme: sub_group_size is the window, as in DeepSpeed, up to 2^26 elements; a
+// larger one (DeepSpeed's default of 1e9, 64 GB of buffers per rank) gives the 2^21 default. The
+// engine, the step's spool and the estimator all take the window from this function.
+TEST(NvmeWindow, SubGroupSizeIsTheWindowUpTo2To26) {
+  EXPECT_EQ(zeal::nvme_window_elems(1000), 1000);
+  EXPECT_EQ(zeal::nvme_window_elems(int64_t{1} << 24), int64_t{1} << 24);
+  EXPECT_EQ(zeal::nvme_window_elems(zeal::kMaxNvmeSubGroup), zeal::kMaxNvmeSubGroup);
+  EXPECT_EQ(zeal::nvme_window_elems(zeal::kMaxNvmeSubGroup + 1), zeal::kDefaultNvmeWindowElems);
+  EXPECT_EQ(zeal::nvme_window_elems(1'000'000'000), int64_t{1} << 21);
+}
