@@ -285,9 +285,18 @@ ShardStep::~ShardStep() {
 }
 
 void ShardStep::finish_writes() {
+  if (!write_error_.empty()) throw Error(write_error_);
   if (!pending_write_.valid()) return;
   detail::ScopedWait waiting(detail::WaitKind::kWrite);
-  pending_write_.get();  // rethrows the write-back's I/O error
+  try {
+    pending_write_.get();
+  } catch (const std::exception& e) {
+    // The file's last window is a step behind now: every later use of the state says so.
+    write_error_ = fmt::format("the optimizer state offloaded to nvme is a step behind on disk: writing its last "
+                               "window back failed: {}",
+                               e.what());
+    throw Error(write_error_);
+  }
 }
 
 void ShardStep::apply_nvme(double inv_scale) {

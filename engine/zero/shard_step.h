@@ -68,8 +68,9 @@ class ShardStep {
   // Waits for a write-back still in flight (offload_to_nvme).
   ~ShardStep();
   // With the state on NVMe, apply() returns while the last window is still being written (it
-  // overlaps what comes next); this waits for it and rethrows its I/O error. The next apply and every
-  // access to the state call it first.
+  // overlaps what comes next); this waits for it. If that write failed, this and every later call
+  // throw zeal::Error naming the failure (the state on disk is a step behind). The next apply and
+  // every access to the state call it first.
   void finish_writes();
   ShardStep(ShardStep&&) = default;
   ShardStep& operator=(ShardStep&&) = default;
@@ -196,6 +197,12 @@ class ShardStep {
   int64_t gswap_bytes_ = 0;
   at::Tensor gbounce_[3], win_grad_[3];
 
+  // The last window's write-back, left in flight when apply returns so that it overlaps the next
+  // forward and backward; waited for (its error rethrown) before anything touches the swap again.
+  // Declared before the engine and buffers it uses: a move assignment replaces it (and so waits for
+  // the old write) before it replaces them.
+  std::future<void> pending_write_;
+  std::string write_error_;  // set when that write failed: the state on disk is stale from then on
   PieceHooks hooks_;
   std::shared_ptr<offload::SwapFile> swap_;  // NVMe offload
   int64_t window_ = 0, region_bytes_ = 0;
@@ -203,9 +210,6 @@ class ShardStep {
   int sets_ = 3;
   at::Tensor win_master_[3], win_m_[3], win_v_[3];
   std::unique_ptr<offload::IoEngine> writer_;  // the write-back's own engine (the file's reads)
-  // The last window's write-back, left in flight when apply returns so that it overlaps the next
-  // forward and backward; waited for (its error rethrown) before anything touches the swap again.
-  std::future<void> pending_write_;
 
   std::shared_ptr<offload::HostArena> arena_;
   bool local_ = false;  // offloaded to the host memory it computes in (a CPU partition): no step buffers
