@@ -352,7 +352,8 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
       throw Error(fmt::format("the checkpoint covers {} of the {} elements of '{}'", covered, p.numel, p.name));
     }
   };
-  // The adapted weight p (its bytes in `bytes`) merged with its layer's adapters, in place.
+  // The adapted weight p (its bytes in `bytes`, p's dtype) merged with its layer's adapters: fp32
+  // bytes in their place.
   auto merge = [&](const Param& p, const json& layer, std::vector<char>& bytes) {
     const std::string an = layer["A"].get<std::string>(), bn = layer["B"].get<std::string>();
     if (!adapters.count(an) || !adapters.count(bn)) {
@@ -370,15 +371,8 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
     std::vector<float> w = floats_of(bytes.data(), p.dtype, p.numel);
     add_lora(w, floats_of(bb.data(), b.dtype, b.numel), floats_of(ab.data(), a.dtype, a.numel), p.shape[0], a.shape[0],
              p.shape[1], layer["scaling"].get<double>());
-    bytes.resize(static_cast<size_t>(p.numel * dtype_size(p.dtype)));
-    for (int64_t e = 0; e < p.numel; ++e) {
-      if (p.dtype == "F32") {
-        std::memcpy(bytes.data() + 4 * e, &w[e], 4);
-      } else {
-        const uint16_t h = p.dtype == "BF16" ? to_bf16(w[e]) : to_f16(w[e]);
-        std::memcpy(bytes.data() + 2 * e, &h, 2);
-      }
-    }
+    bytes.resize(static_cast<size_t>(p.numel * 4));  // fp32 now: rounded once more, to the output dtype
+    std::memcpy(bytes.data(), w.data(), bytes.size());
   };
   for (size_t k = 0; k < shards.size(); ++k) {
     const std::string name = shards.size() == 1 ? "model.safetensors"
@@ -393,9 +387,14 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
     SafetensorsWriter w((staging / name).string(), entries, {{"format", "pt"}}, {}, 1 << 20, 4 << 20);
     for (size_t i : shards[k]) {
       const Param& p = params[i];
-      const int64_t es = dtype_size(p.dtype);
       read_param(p, src);
-      if (const auto layer = lora.find(p.own); layer != lora.end()) merge(p, *layer, src);
+      // The bytes' dtype: p's, or fp32 once merged (rounded once, to the output dtype below).
+      std::string have = p.dtype;
+      if (const auto layer = lora.find(p.own); layer != lora.end()) {
+        merge(p, *layer, src);
+        have = "F32";
+      }
+      const int64_t es = dtype_size(have);
       if (p.transpose) {  // [rows, cols] → [cols, rows], element by element
         const int64_t rows = p.shape[0], cols = p.shape[1];
         std::vector<char> t(src.size());
@@ -405,18 +404,18 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
         src.swap(t);
       }
       const std::string to = out_type(p);
-      if (to == p.dtype) {
+      if (to == have) {
         w.append(src.data(), static_cast<int64_t>(src.size()));
       } else {
         dst.resize(static_cast<size_t>(p.numel * dtype_size(to)));
         for (int64_t e = 0; e < p.numel; ++e) {
           float f;
-          if (p.dtype == "F32") {
+          if (have == "F32") {
             std::memcpy(&f, src.data() + 4 * e, 4);
           } else {
             uint16_t h;
             std::memcpy(&h, src.data() + 2 * e, 2);
-            f = p.dtype == "BF16" ? from_bf16(h) : from_f16(h);
+            f = have == "BF16" ? from_bf16(h) : from_f16(h);
           }
           if (to == "F32") {
             std::memcpy(dst.data() + 4 * e, &f, 4);

@@ -149,8 +149,8 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
     }
   };
   std::vector<std::thread> readers;
-  for (size_t r = 0; r < n_readers && r < tasks.size(); ++r) readers.emplace_back(read_loop, r);
-  struct Join {  // an error below stops and joins the readers
+  readers.reserve(n_readers);
+  struct Join {  // an error below (or a reader that cannot start) stops and joins the readers
     std::vector<std::thread>& th;
     std::mutex& mu;
     std::condition_variable& cv;
@@ -164,6 +164,7 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
       for (auto& t : th) t.join();
     }
   } join{readers, mu, cv, stop};
+  for (size_t r = 0; r < n_readers && r < tasks.size(); ++r) readers.emplace_back(read_loop, r);
   for (size_t t = 0; t < tasks.size(); ++t) {
     {
       std::unique_lock<std::mutex> lock(mu);
