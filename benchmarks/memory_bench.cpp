@@ -22,9 +22,6 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -39,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/free_port.h"
 #include "engine/estimate.h"
 #include "engine/memory.h"
 #include "engine/memory_tracker.h"
@@ -148,24 +146,6 @@ std::pair<double, double> predict(const Spec& s, const Paths& p, std::string* wh
       return {row["host_peak_bytes"].get<double>(), row["disk_bytes"].get<double>()};
   *why = "no such row in the estimate";
   return {0, 0};
-}
-
-// A port no process listens on now (the system's choice), so that runs side by side (two tests,
-// two benchmarks) never meet at one rendezvous.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  int port = 0;
-  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  if (fd >= 0) ::close(fd);
-  if (port == 0) throw std::runtime_error("memory_bench: no free TCP port on this machine");
-  return port;
 }
 
 void run_train_gpt(Row& r, const Paths& p, int port) {
@@ -357,7 +337,7 @@ int main(int argc, char** argv) {
     if (s.program == "lora_bench") {
       run_lora_bench(r, p);
     } else {
-      run_train_gpt(r, p, free_port());
+      run_train_gpt(r, p, zeal_bench::free_port());
       zeal::models::GptConfig cfg = zeal::models::gpt_preset(s.model);
       cfg.tie_head = !s.untied;
       zeal::StageModel sm;

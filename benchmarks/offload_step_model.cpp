@@ -17,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "benchmarks/free_port.h"
 #include "benchmarks/rounds.h"
 
 namespace zeal_bench {
@@ -93,11 +94,10 @@ json run_step_model(const StepModelOptions& o) {
   const int kinds = o.sub_group_size > 0 ? 3 : 2;
   const char* names[] = {"in memory", "nvme", "nvme, sub_group_size set"};
   std::vector<std::vector<RunResult>> runs(kinds);
-  int port = 29700;
   for (int round = 0; round < o.rounds; ++round) {
     for (int k = 0; k < kinds; ++k) {
       const int kind = (k + round) % kinds;
-      RunResult r = run_once(o, kind, work, port++);
+      RunResult r = run_once(o, kind, work, free_port());
       std::printf("  round %d, %s: %.2f s per step (%.2f–%.2f), peak resident set %.2f GiB on rank 0\n", round + 1,
                   names[kind], Series{r.step_s}.median(), Series{r.step_s}.min(), Series{r.step_s}.max(),
                   r.peak_rss / double(1 << 30));
