@@ -15,7 +15,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 rc=0
 # The README's one command (scripts/causal-lm-demo), its output checked below.
-scripts/causal-lm-demo "$work" --port 29573 >"$work/demo.out" 2>&1 || rc=$?
+ZEAL_BIN_DIR=$(dirname "$zeal") scripts/causal-lm-demo "$work" --port 29573 >"$work/demo.out" 2>&1 || rc=$?
 [ "$rc" -eq 77 ] && skip_or_fail "the peers' Python lacks transformers, tokenizers or peft"
 if [ "$rc" -ne 0 ]; then tail -20 "$work/demo.out"; echo "FAIL: scripts/causal-lm-demo exited $rc" >&2; exit 1; fi
 out=$(cat "$work/lora.log")

@@ -65,7 +65,7 @@ status=$?
 [ $status = 137 ] || fail "under the limit: expected the OOM killer's 137, got $status"
 grep -q "zeal: warning: every rank may run out of memory: rank 0 is predicted to hold" "$work/warn.log" ||
   fail "no warning at prepare"
-grep -q "What would lower the peak: .*offload_optimizer.device nvme ([0-9.]* MiB)" "$work/warn.log" ||
+grep -q "What would lower the peak: .*offload_optimizer.device nvme ([0-9.]* [MG]iB)" "$work/warn.log" ||
   fail "the warning does not name a remedy with its prediction"
 grep -q "failed: rank 0 was killed by the kernel's out-of-memory killer (SIGKILL; .*); it held .* at the last sample, [0-9.]* GiB at most" \
   "$work/warn.log" || fail "the launcher does not report the OOM killer"
