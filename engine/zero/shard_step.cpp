@@ -92,6 +92,7 @@ cpu::GradStats ShardStep::stats(double inv_scale) {
   if (grad32_ready_) {
     s = stats_of(grad32_);
   } else if (gswap_) {
+    finish_grad_writes();  // a failed gradient write fails the statistics (and so the step) here
     for (size_t k = 0; k < pieces_.size(); ++k)
       if (gswap_written_[k]) s = cpu::combine(s, gswap_stats_[k]);
     scale = inv_scale * pending_scale_;
@@ -282,6 +283,7 @@ void ShardStep::offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::
 
 ShardStep::~ShardStep() {
   if (pending_write_.valid()) pending_write_.wait();  // its error, if any, has no one left to hear it
+  gwriter_.reset();                                   // waits for the gradient writes, likewise
 }
 
 void ShardStep::finish_writes() {
@@ -301,6 +303,7 @@ void ShardStep::finish_writes() {
 
 void ShardStep::apply_nvme(double inv_scale) {
   finish_writes();  // the previous step's last window, before its buffers and file regions are used again
+  finish_grad_writes();  // this step's gradients, before their windows are read
   double scale = 1.0;
   if (!grad32_ready_) scale = inv_scale * pending_scale_;
   const auto out_type = kernel_dtype(host_out_.scalar_type());
@@ -647,10 +650,31 @@ void ShardStep::swap_gradients(std::shared_ptr<offload::SwapFile> file) {
     gbounce_[k] = arena_tensor(arena_, window_ + 2 * offload::kIoAlign / 4, at::kFloat);
     win_grad_[k] = arena_tensor(arena_, window_, at::kFloat);
   }
+  gwriter_ = std::make_unique<offload::WriteBehind>(
+      gswap_, offload::make_io_engine(gswap_->io().options(), std::string(gswap_->io().kind()) == "threads"), sets_);
   host_grad_ = at::Tensor();  // the gradient windows take its place
 }
 
+namespace {
+// f(), a failed gradient write in it rethrown as what it means to the user.
+template <class F>
+void grad_write_io(F&& f) {
+  try {
+    f();
+  } catch (const offload::IoError& e) {
+    throw Error(fmt::format("the gradients offloaded to nvme (offload_optimizer) could not be written: {}", e.what()));
+  }
+}
+}  // namespace
+
+void ShardStep::finish_grad_writes() {
+  if (!gwriter_) return;
+  detail::ScopedWait waiting(detail::WaitKind::kWrite);
+  grad_write_io([&] { gwriter_->drain(); });
+}
+
 void ShardStep::clear_grads() {
+  finish_grad_writes();  // nothing in flight may land on what the next accumulation starts from
   std::fill(gswap_written_.begin(), gswap_written_.end(), 0);
   std::fill(gswap_stats_.begin(), gswap_stats_.end(), cpu::GradStats{});
 }
@@ -662,13 +686,22 @@ void ShardStep::accumulate_grad(size_t k, const at::Tensor& g) {
   const int64_t n = p.grad.numel(), esize = static_cast<int64_t>(p.grad.element_size());
   ZEAL_CHECK(g.numel() == n) << "a piece's gradients of " << g.numel() << " elements for " << n;
   const at::ScalarType dtype = p.grad.scalar_type();
-  // A window's worth of elements at a time through set 0's bounce buffer (no step runs now).
+  // A window's worth of elements at a time through the sets' bounce buffers in turn (no step runs
+  // now); each chunk's write goes on behind while the next is made and the backward goes on.
   const int64_t chunk = window_ * 4 / esize;
+  // Adding to what an earlier micro-step wrote: those writes are done before it is read back.
+  if (gswap_written_[k]) finish_grad_writes();
   cpu::GradStats s;
   for (int64_t c = 0; c < n; c += chunk) {
     const int64_t len = std::min(chunk, n - c), bytes = round_up(len * esize, offload::kIoAlign);
     const int64_t off = gswap_off_[k] + c * esize;
-    at::Tensor buf = at::from_blob(gbounce_[0].data_ptr(), {len}, at::TensorOptions().dtype(dtype));
+    const int slot = next_gslot_;
+    next_gslot_ = (next_gslot_ + 1) % sets_;
+    grad_write_io([&] {
+      detail::ScopedWait waiting(detail::WaitKind::kWrite);
+      gwriter_->wait_slot(slot);
+    });
+    at::Tensor buf = at::from_blob(gbounce_[slot].data_ptr(), {len}, at::TensorOptions().dtype(dtype));
     const at::Tensor part = g.narrow(0, c, len);
     if (gswap_written_[k]) {
       {
@@ -680,8 +713,7 @@ void ShardStep::accumulate_grad(size_t k, const at::Tensor& g) {
       buf.copy_(part);
     }
     s = stats_from(buf, s);  // chunks are whole kStatsBlocks: the bits of the piece taken whole
-    detail::ScopedWait waiting(detail::WaitKind::kWrite);
-    gswap_->write(buf.data_ptr(), bytes, off);
+    grad_write_io([&] { gwriter_->submit(slot, buf.data_ptr(), bytes, off); });
   }
   gswap_stats_[k] = s;
   gswap_written_[k] = 1;
@@ -694,6 +726,7 @@ at::Tensor ShardStep::read_grad(size_t k) {
   const int64_t n = p.grad.numel(), esize = static_cast<int64_t>(p.grad.element_size());
   at::Tensor out = at::zeros({n}, p.grad.options().device(at::kCPU));
   if (!gswap_written_[k]) return out;
+  finish_grad_writes();
   const int64_t chunk = window_ * 4 / esize;
   for (int64_t c = 0; c < n; c += chunk) {
     const int64_t len = std::min(chunk, n - c);

@@ -21,6 +21,7 @@
 #include "engine/optim/optimizer.h"
 #include "offload/host_arena.h"
 #include "offload/swap_dir.h"
+#include "offload/write_behind.h"
 #include "kernels/cpu/adam.h"
 
 namespace zeal::zero {
@@ -124,8 +125,12 @@ class ShardStep {
   // its own (aligned for O_DIRECT), in the accumulation dtype. The pieces' `grad` become meta tensors
   // (sizes and dtype, no storage). accumulate_grad adds one micro-step's reduced gradients of a piece
   // into the file (the first since clear_grads writes them) a window at a time and keeps their
-  // statistics; the step reads them back window by window beside master, m and v. Bit-identical
-  // updates; clip_grad_value (which needs the fp32 gradients whole) is refused.
+  // statistics; the step reads them back window by window beside master, m and v. The writes leave
+  // the caller's thread (the backward goes on while they run, on a thread and I/O engine of their
+  // own, through the buffer sets' gradient bounce buffers); everything that reads the gradients
+  // (statistics, the step, read_grad, clear_grads) waits for them first, and a failed write fails
+  // that call and every later one, naming the file. Bit-identical updates; clip_grad_value (which
+  // needs the fp32 gradients whole) is refused.
   void swap_gradients(std::shared_ptr<offload::SwapFile> file);
   bool gradients_swapped() const { return gswap_ != nullptr; }
   void accumulate_grad(size_t k, const at::Tensor& g);
@@ -190,12 +195,18 @@ class ShardStep {
   // their statistics; one bounce buffer per buffer set (a window of fp32 plus alignment on each side)
   // and one fp32 gradient window per set.
   void read_grad_window(int64_t a, int64_t len, int k);
+  // Waits for the gradient writes in flight; a failed one is rethrown (also every time after).
+  void finish_grad_writes();
+  // The gradient swap's writes, through gbounce_: declared before it, so that a move assignment
+  // replaces (and so drains) the writer before the buffers it writes from; ~ShardStep resets it first.
+  std::unique_ptr<offload::WriteBehind> gwriter_;
   std::shared_ptr<offload::SwapFile> gswap_;
   std::vector<int64_t> gswap_off_;
   std::vector<char> gswap_written_;
   std::vector<cpu::GradStats> gswap_stats_;
   int64_t gswap_bytes_ = 0;
   at::Tensor gbounce_[3], win_grad_[3];
+  int next_gslot_ = 0;  // the bounce buffer the next gradient chunk takes
 
   // The last window's write-back, left in flight when apply returns so that it overlaps the next
   // forward and backward; waited for (its error rethrown) before anything touches the swap again.

@@ -2,7 +2,8 @@
 // memory, step after step with nothing in between: apply() returns while its last window is still
 // being written, so the next apply, and every read of the state, must wait for that write first.
 // Partitions of 6 Mi elements (a write-back of 72 MiB takes milliseconds), in one window and in
-// three.
+// three. The swapped gradients likewise: their writes run behind accumulate_grad, and the step, the
+// statistics and read_grad must wait for them.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 
 #include "engine/optim/optimizer.h"
 #include "engine/zero/shard_step.h"
@@ -57,6 +59,75 @@ TEST(ShardStepNvme, BackToBackStepsAndStateReadsSeeEveryWriteBack) {
       EXPECT_TRUE(at::equal(at::from_blob(got.data(), {n}), at::from_blob(const_cast<float*>(want), {n}))) << what;
     }
   }
+  fs::remove_all(dir);
+}
+
+
+// Gradients swapped to NVMe (swap_gradients), three micro-steps accumulated per step, over many
+// windows: every step's results, statistics and gradients read back are the in-memory step's bits.
+// The pieces come last to first, as a backward brings them: right after the last accumulate_grad,
+// the first piece's writes are still in flight when apply() or read_grad() reads it. With one
+// piece of two windows, every micro-step after the first reads back what the one before is still
+// writing.
+TEST(ShardStepNvme, SwappedGradientsAccumulateAndStepAsInMemory) {
+  const std::string dir = (fs::temp_directory_path() / ("zeal_shard_step_gswap_" + std::to_string(::getpid()))).string();
+  fs::create_directories(dir);
+  optim::Hyper h;
+  h.weight_decay = 0.01;
+  const std::vector<std::vector<int64_t>> layouts{{3'000'000, 1, 5'000, 2'500'000}, {300'000}};
+  for (const auto& sizes : layouts)
+    for (int sets : {3, 1})
+      for (const bool read_first : {false, true}) {
+        SCOPED_TRACE(fmt::format("{} pieces, {} buffer sets, {} first", sizes.size(), sets, read_first ? "read_grad" : "apply"));
+        int64_t n = 0;
+        for (int64_t z : sizes) n += z;
+        at::manual_seed(5);
+        const at::Tensor init = at::randn({n});
+        std::vector<ShardStep::Piece> ref_pieces, pieces;
+        std::vector<at::Tensor> ref_grads, outs_ref, outs;
+        int64_t off = 0;
+        for (int64_t z : sizes) {
+          ref_grads.push_back(at::zeros({z}));
+          outs_ref.push_back(init.narrow(0, off, z).clone());
+          outs.push_back(init.narrow(0, off, z).clone());
+          ref_pieces.push_back({off, ref_grads.back(), outs_ref.back()});
+          pieces.push_back({off, at::zeros({z}), outs.back()});
+          off += z;
+        }
+        ShardStep ref(init.clone(), optim::make_fused_adamw(h), ref_pieces);
+        ShardStep step(init.clone(), optim::make_fused_adamw(h), pieces);
+        auto sdir = std::make_shared<offload::SwapDir>(dir, offload::new_run_id(), 0);
+        std::shared_ptr<offload::IoEngine> io = offload::make_io_engine(offload::IoOptions{});
+        step.offload_to_nvme(std::make_shared<offload::HostArena>(false),
+                             std::make_shared<offload::SwapFile>(sdir, io, "optimizer.swp"), 1 << 18, sets);
+        step.swap_gradients(std::make_shared<offload::SwapFile>(sdir, io, "gradients.swp"));
+        auto same_grads = [&](int s) {
+          for (size_t k = 0; k < sizes.size(); ++k)
+            ASSERT_TRUE(at::equal(step.read_grad(k), ref_grads[k])) << "step " << s << ", piece " << k;
+        };
+        for (int s = 0; s < 2; ++s) {
+          for (int micro = 0; micro < 3; ++micro) {
+            for (size_t k = sizes.size(); k-- > 0;) {
+              const at::Tensor g = at::randn({sizes[k]}) * 1e-2;
+              ref_grads[k].add_(g);
+              step.accumulate_grad(k, g);
+            }
+          }
+          if (read_first) same_grads(s);
+          ref.apply(1e-3, 1.0);
+          step.apply(1e-3, 1.0);
+          for (size_t k = 0; k < sizes.size(); ++k)
+            ASSERT_TRUE(at::equal(outs[k], outs_ref[k])) << "step " << s << ", piece " << k;
+          const cpu::GradStats a = ref.stats(1.0), b = step.stats(1.0);
+          EXPECT_EQ(a.sumsq, b.sumsq) << "step " << s;
+          EXPECT_EQ(a.amax, b.amax) << "step " << s;
+          same_grads(s);
+          ref.reset();
+          for (auto& g : ref_grads) g.zero_();
+          step.reset();
+          step.clear_grads();
+        }
+      }
   fs::remove_all(dir);
 }
 
