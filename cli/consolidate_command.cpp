@@ -25,7 +25,7 @@ Runner add_consolidate_command(CLI::App& app) {
   cmd->add_option("OUT_DIR", o->out, "Where the safetensors files go (created)")->required();
   cmd->add_option("--dtype", o->dtype, "fp32, bf16 or fp16 (default fp32)");
   cmd->add_option("--max_shard_size", o->max_shard_size, "Bytes per file, e.g. 5GB, 500MB (default 5GB)");
-  cmd->add_flag("--no_frozen", o->no_frozen, "Leave frozen parameters out");
+  cmd->add_flag("--no_frozen", o->no_frozen, "Leave frozen parameters out (with --merged, the LoRA-adapted weights stay: merged, they are the fine-tuned layers)");
   cmd->add_flag("--keep_names", o->keep_names,
                 "The model's own names (zeal::Sharded's block level kept) and LoRA adapter tensors too");
   cmd->add_flag("--merged", o->merged, "LoRA-adapted weights written merged: W + scaling·B·A (PEFT's merge_and_unload)");

@@ -251,8 +251,11 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
   std::map<std::string, std::string> source;  // each name written: the model's name it comes from
   for (const auto& p : m["pieces"]) {
     const std::string kind = p["kind"].get<std::string>();
-    if (kind != "master" && kind != "buffer" && !(kind == "param" && o.include_frozen)) continue;
     const std::string own = p["name"].get<std::string>();
+    // A merged export writes each adapted weight (frozen under LoRA) merged, --no_frozen or not: it
+    // is the fine-tuned layer, not a frozen one.
+    const bool adapted = kind == "param" && lora.contains(own);
+    if (kind != "master" && kind != "buffer" && !(kind == "param" && o.include_frozen) && !adapted) continue;
     if (adapter_names.count(own)) {  // kept apart, for the merge
       Param& q = adapters[own];
       if (q.pieces.empty()) {
@@ -297,6 +300,15 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
     params[it->second].pieces.push_back({p["file"].get<std::string>(), p["dtype"].get<std::string>(),
                                          p["begin"].get<int64_t>(), p["count"].get<int64_t>(),
                                          p["offset"].get<int64_t>()});
+  }
+  for (const auto& [w, layer] : lora.items()) {
+    bool found = false;
+    for (const Param& q : params) found = found || q.own == w;
+    if (!found) {
+      throw Error(fmt::format("merged: {} does not hold the weight '{}' its LoRA adapters change (saved without frozen "
+                              "weights: save_state's include_frozen); nothing was written",
+                              dir.string(), w));
+    }
   }
   for (const auto& [from, to] : o.rename) {
     if (!used.count(from)) {

@@ -25,6 +25,7 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "engine/checkpoint/consolidate.h"
 #include "engine/peft/lora.h"
 #include "engine/runtime/runtime.h"
 #include "engine/runtime/spawn.h"
@@ -137,8 +138,10 @@ zeal::peft::LoraConfig lora_config() {
 
 // Trains the adapted tiny BERT on `world` ranks at `stage`; leaves adapter/, merged/ and the
 // initial base weights (init.safetensors, through save_merged before training) in `dir`.
+// With `save_checkpoints`, also ckpt/ (save_state) and ckpt_nofrozen/ (without frozen weights),
+// before the merge.
 void train_lora(int stage, int world, const std::string& dir, bool init, int steps = 4, bool checkpointing = false,
-                const std::string& offload = "") {
+                const std::string& offload = "", bool save_checkpoints = false) {
   const int64_t global = 6, seq = 8, labels = 3;
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
@@ -162,6 +165,10 @@ void train_lora(int stage, int world, const std::string& dir, bool init, int ste
         }
         peft.save_pretrained(dir + "/adapter", &engine);
         engine.save_model(dir + "/export_merged", {.merged = true});  // merged in the export, not in the model
+        if (save_checkpoints) {
+          engine.save_state(dir + "/ckpt");
+          engine.save_state(dir + "/ckpt_nofrozen", {.include_frozen = false});
+        }
         peft.merge_and_unload(&engine);
         peft.save_merged(dir + "/merged", &engine);
         try {  // merged into the model now: nothing is left to merge, and the export says so
@@ -481,6 +488,43 @@ TEST(Lora, CheckpointedLayersTrainTheSameAdaptersBitForBit) {
     }
     EXPECT_TRUE(moved);
   }
+}
+
+// zeal consolidate --merged --no_frozen: the adapted weights are the fine-tuned layers, written merged
+// (the same bits as save_model's merged export) beside the trainable ones; the other frozen weights
+// are left out. A checkpoint saved without frozen weights cannot be merged: the error names the
+// weight, and nothing is written.
+TEST(Lora, MergedExportWithoutFrozenWeightsKeepsTheAdaptedOnes) {
+  const std::string dir = temp_dir("merged_nofrozen");
+  train_lora(3, 2, dir, false, 2, false, "", /*save_checkpoints=*/true);
+  const StFile full = read_st(dir + "/export_merged/model.safetensors");
+  zeal::ckpt::ConsolidateOptions o;
+  o.merged = true;
+  o.include_frozen = false;
+  zeal::ckpt::consolidate(dir + "/ckpt", dir + "/out", o);
+  const StFile got = read_st(dir + "/out/model.safetensors");
+  int adapted = 0;
+  for (const auto& [k, t] : full.tensors) {
+    const std::string layer = k.substr(0, k.rfind('.'));
+    const bool is_adapted = k.size() > 7 && k.rfind(".weight") == k.size() - 7 &&
+                            (layer.find(".query") != std::string::npos || layer.find(".value") != std::string::npos);
+    const bool trainable = k.rfind("classifier.", 0) == 0;
+    if (is_adapted || trainable) {
+      ASSERT_TRUE(got.tensors.count(k)) << k << " left out";
+      EXPECT_TRUE(at::equal(got.tensors.at(k), t)) << k;
+      adapted += is_adapted;
+    } else {
+      EXPECT_FALSE(got.tensors.count(k)) << k << " is frozen and not adapted: --no_frozen leaves it out";
+    }
+  }
+  EXPECT_EQ(adapted, 2 * 2) << "query and value of both layers";
+  try {
+    zeal::ckpt::consolidate(dir + "/ckpt_nofrozen", dir + "/out2", {.merged = true});
+    ADD_FAILURE() << "merging a checkpoint without the adapted weights: no error";
+  } catch (const zeal::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("does not hold the weight"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir + "/out2/model.safetensors"));
 }
 
 TEST(Lora, EveryStageAndWorldSizeTrainsTheSameAdapters) {
