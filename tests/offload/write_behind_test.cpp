@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "offload/io.h"
 #include "offload/swap_dir.h"
 #include "offload/write_behind.h"
@@ -34,44 +36,46 @@ struct Dir {
 };
 
 // Each slot's buffer is refilled as soon as wait_slot hands it back: if a write were still reading
-// it, the file would hold the next fill's bytes. Overlapping offsets check the order.
+// it, the file would hold the next fill's bytes (with one slot, every wait comes right after its
+// submit, while the write is surely in flight). Overlapping offsets check the order.
 TEST(WriteBehind, EveryWriteLandsInOrderAndSlotsComeBackOnlyWhenWritten) {
   Dir d;
-  for (const bool threads : {false, true}) {
-    SCOPED_TRACE(threads ? "thread pool" : "io_uring");
-    IoOptions o;
-    o.block_size = 256 << 10;
-    auto dir = std::make_shared<SwapDir>(d.root.string(), threads ? "threads" : "uring", 0);
-    auto file = std::make_shared<SwapFile>(dir, make_io_engine(o, threads), "grads.swp");
-    constexpr int64_t kChunk = 4 << 20, kChunks = 24, kSlots = 3;
-    std::vector<std::unique_ptr<AlignedBuffer>> slot;
-    for (int s = 0; s < kSlots; ++s) slot.push_back(std::make_unique<AlignedBuffer>(kChunk));
-    // Chunk i goes to offset (i % 16) * kChunk: the last 8 overwrite the first 8.
-    std::vector<char> want(16 * kChunk);
-    std::mt19937 gen(7);
-    {
-      WriteBehind w(file, make_io_engine(o, threads), kSlots);
-      for (int64_t i = 0; i < kChunks; ++i) {
-        const int s = static_cast<int>(i % kSlots);
-        w.wait_slot(s);
-        char* b = slot[static_cast<size_t>(s)]->data();
-        for (int64_t j = 0; j < kChunk; j += 8) {
-          const uint64_t x = gen();
-          std::memcpy(b + j, &x, 8);
+  for (const bool threads : {false, true})
+    for (const int kSlots : {1, 3}) {
+      SCOPED_TRACE(fmt::format("{}, {} slots", threads ? "thread pool" : "io_uring", kSlots));
+      IoOptions o;
+      o.block_size = 256 << 10;
+      auto dir = std::make_shared<SwapDir>(d.root.string(), fmt::format("{}{}", threads ? "threads" : "uring", kSlots), 0);
+      auto file = std::make_shared<SwapFile>(dir, make_io_engine(o, threads), "grads.swp");
+      constexpr int64_t kChunk = 4 << 20, kChunks = 24;
+      std::vector<std::unique_ptr<AlignedBuffer>> slot;
+      for (int s = 0; s < kSlots; ++s) slot.push_back(std::make_unique<AlignedBuffer>(kChunk));
+      // Chunk i goes to offset (i % 16) * kChunk: the last 8 overwrite the first 8.
+      std::vector<char> want(16 * kChunk);
+      std::mt19937 gen(7);
+      {
+        WriteBehind w(file, make_io_engine(o, threads), kSlots);
+        for (int64_t i = 0; i < kChunks; ++i) {
+          const int s = static_cast<int>(i % kSlots);
+          w.wait_slot(s);
+          char* b = slot[static_cast<size_t>(s)]->data();
+          for (int64_t j = 0; j < kChunk; j += 8) {
+            const uint64_t x = gen();
+            std::memcpy(b + j, &x, 8);
+          }
+          const int64_t off = (i % 16) * kChunk;
+          std::memcpy(want.data() + off, b, kChunk);
+          w.submit(s, b, kChunk, off);
         }
-        const int64_t off = (i % 16) * kChunk;
-        std::memcpy(want.data() + off, b, kChunk);
-        w.submit(s, b, kChunk, off);
+        w.drain();
+        EXPECT_EQ(w.writes(), kChunks);
+        // Refilled after drain: the file must not change.
+        for (auto& b : slot) std::memset(b->data(), 0x5a, kChunk);
       }
-      w.drain();
-      EXPECT_EQ(w.writes(), kChunks);
-      // Refilled after drain: the file must not change.
-      for (auto& b : slot) std::memset(b->data(), 0x5a, kChunk);
+      const std::vector<char> disk = file_bytes(file->path());
+      ASSERT_EQ(disk.size(), want.size());
+      EXPECT_EQ(std::memcmp(disk.data(), want.data(), want.size()), 0);
     }
-    const std::vector<char> disk = file_bytes(file->path());
-    ASSERT_EQ(disk.size(), want.size());
-    EXPECT_EQ(std::memcmp(disk.data(), want.data(), want.size()), 0);
-  }
 }
 
 TEST(WriteBehind, AFailedWriteIsNamedAtEveryCallAfter) {
