@@ -34,6 +34,7 @@
 #include "engine/wait_clock.h"
 #include "engine/peft/slots.h"
 #include "engine/error.h"
+#include "engine/estimate.h"
 #include "engine/prepare_check.h"
 #include "engine/optim/loss_scale.h"
 #include "engine/optim/optimizer.h"
@@ -392,6 +393,11 @@ void Engine::finish_prepare() {
   if (state_->zero || !state_->module) return;
   if (!state_->torch_optimizer && config_.optimizer.type.empty()) return;
   build_zero();
+  if (state_->batch_check) {
+    const auto [model, batch] = std::move(*state_->batch_check);
+    state_->batch_check.reset();
+    check_batch_memory(model, batch);
+  }
 }
 
 // One line on rank 0 at start: the dtypes gradients are accumulated and reduced in. Unset, both are
@@ -456,6 +462,9 @@ void Engine::check_memory_at_prepare() {
     }
   }
   if (config_.memory_check == "off") return;
+  state_->predicted_peak = pm.predicted;
+  state_->memory_budget = pm.budget.bytes;
+  state_->memory_budget_source = pm.budget.source;
   std::string mine;
   if (!pm.fits()) {
     mine = fmt::format(
@@ -481,6 +490,55 @@ void Engine::check_memory_at_prepare() {
   log::warning("{} may run out of memory: {} A smaller micro-batch and activation checkpointing lower the activations "
                "on top. (memory_check: error refuses to train, off silences this.)",
                ranks, first);
+}
+
+void Engine::check_batch_memory(const estimate::ModelShape& model, const estimate::RunShape& batch) {
+  if (!state_->zero) {  // checked once the model and optimizer are prepared
+    state_->batch_check.emplace(model, batch);
+    return;
+  }
+  if (config_.memory_check == "off" || device_.is_cuda() || state_->predicted_peak < 0) return;
+  const int64_t budget = state_->memory_budget;
+  if (budget < 0) return;  // nothing could be read
+  const detail::BatchMemory bm =
+      detail::predict_batch_memory(model, batch, config_, shard_comm().world_size(), num_trainable_parameters(),
+                                   state_->predicted_peak, budget);
+  const int64_t peak = state_->predicted_peak + bm.activations;
+  // 'x': the batch alone needs more than the rank may use (no setting of memory_check runs it); 'w': the whole
+  // peak does.
+  std::string mine;
+  if (peak > budget) {
+    std::string lower;
+    if (bm.largest_micro_batch > 0) lower = fmt::format("The largest micro-batch predicted to fit with 10 % to spare is {}", bm.largest_micro_batch);
+    if (bm.with_checkpointing >= 0) {
+      lower += fmt::format("{}ctivation checkpointing (every unit) predicts {} in all", lower.empty() ? "A" : "; a",
+                           format_bytes(static_cast<double>(bm.with_checkpointing)));
+    }
+    mine = fmt::format("{}rank {}: {} x {} tokens per micro-step ({}) are predicted to add {} of activations to the "
+                       "{} the rank holds before them, {} in all, but it may use {}, {}.{}",
+                       bm.activations > budget ? 'x' : 'w', runtime_->rank(), batch.micro_batch, batch.seq_len,
+                       model.name, format_bytes(static_cast<double>(bm.activations)),
+                       format_bytes(static_cast<double>(state_->predicted_peak)), format_bytes(static_cast<double>(peak)),
+                       format_bytes(static_cast<double>(budget)), state_->memory_budget_source,
+                       lower.empty() ? "" : " " + lower + ".");
+  }
+  const std::vector<std::string> all = ckpt::all_strings(*this, mine);
+  std::string first;
+  bool certain = false;
+  for (const auto& s : all) {
+    if (s.empty()) continue;
+    if (first.empty() || (s[0] == 'x' && !certain)) first = s.substr(1);
+    certain = certain || s[0] == 'x';
+  }
+  if (first.empty()) return;
+  if (certain) {
+    throw Error(fmt::format("memory_check: the batch will not fit: {} (the activations alone are more than the rank "
+                            "may use; memory_check: off runs it anyway)", first));
+  }
+  if (config_.memory_check == "error") {
+    throw Error(fmt::format("memory_check: error: the batch will not fit: {} (memory_check: warn trains anyway)", first));
+  }
+  log::warning("the batch may run out of memory: {} (memory_check: error refuses to train, off silences this.)", first);
 }
 
 void Engine::build_zero() {

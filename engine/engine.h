@@ -52,6 +52,10 @@ class Engine;
 namespace zero {
 class InitContext;
 }
+namespace estimate {
+struct ModelShape;
+struct RunShape;
+}  // namespace estimate
 
 // The optimizer after prepare: its step is ZeRO's; hyperparameters and learning rates are read
 // from the LibTorch optimizer it came from (so LibTorch LR schedulers keep working on it).
@@ -469,6 +473,15 @@ class Engine {
 
   // Bytes this rank holds for the model states, by kind.
   MemoryReport memory() const;
+  // memory_check for a batch (collective; called before prepare, it runs when prepare does): the
+  // peak prepare predicted plus what `batch.micro_batch` sequences of `batch.seq_len` tokens add
+  // through `model` (zeal::estimate::gpt_shape, hf_config_shape; batch.chunked_loss and loss_chunk
+  // as the model computes its loss; the other fields come from the config), against the memory the
+  // rank may use. zeal::Error naming the micro-batch, the tokens, both sizes, the largest micro-batch
+  // predicted to fit and the peak with activation checkpointing when the activations alone exceed it
+  // (whatever memory_check says, unless off), or when the whole peak does and memory_check is error;
+  // a warning with warn. Host memory: nothing is checked on GPU ranks (their allocator fails cleanly).
+  void check_batch_memory(const estimate::ModelShape& model, const estimate::RunShape& batch);
   int64_t num_trainable_parameters() const;
   int64_t optimizer_steps() const { return optimizer_steps_; }
 

@@ -37,64 +37,7 @@ std::string gib(int64_t b) { return format_bytes(static_cast<double>(b)); }
 
 }  // namespace
 
-PrepareMemory predict_prepare_memory(torch::nn::Module& module, zero::InitShards* shards, const Config& c, int world,
-                                     int local_world, bool on_gpu) {
-  // The model as the estimator sees it: every parameter once (tied ones under their first name),
-  // at its full size even when engine.init keeps only this rank's slice of it.
-  std::unordered_map<const void*, int64_t> full;  // parameter → elements
-  std::unordered_map<const void*, int> seen;
-  estimate::ModelShape m;
-  m.name = "the prepared model";
-  int64_t trainable = 0, present = 0;
-  for (auto& item : module.named_parameters(true)) {
-    const at::Tensor& p = item.value();
-    const void* key = p.unsafeGetTensorImpl();
-    if (++seen[key] > 1) {  // tied: an embedding that is also the head
-      m.tied_head = std::max(m.tied_head, full[key]);
-      m.largest_param_grads = 2;
-      continue;
-    }
-    const zero::InitShards::Slice* s = shards ? shards->find(p) : nullptr;
-    const int64_t n = s ? s->numel : p.numel();
-    full[key] = n;
-    m.params += n;
-    m.largest_param = std::max(m.largest_param, n);
-    if (p.requires_grad()) trainable += n;
-    const at::Tensor& held = s ? s->data : p;
-    if (held.defined() && held.device().is_cpu()) present += held.numel() * static_cast<int64_t>(held.element_size());
-  }
-  for (const auto& b : module.buffers(true)) {
-    if (b.defined() && b.device().is_cpu()) present += b.numel() * static_cast<int64_t>(b.element_size());
-  }
-  // DeepSpeed's "largest layer": a module's own parameters.
-  for (const auto& sub : module.modules(/*include_self=*/true)) {
-    int64_t own = 0;
-    for (const auto& p : sub->parameters(/*recurse=*/false)) {
-      auto it = full.find(p.unsafeGetTensorImpl());
-      if (it != full.end()) own += it->second;
-    }
-    m.largest_layer = std::max(m.largest_layer, own);
-  }
-  // Stage 3's units: the root (whatever no unit holds), then each Sharded block and each module whose
-  // type zero_optimization.unit_names names.
-  std::unordered_set<const void*> in_blocks;
-  std::vector<int64_t> blocks;
-  for (const auto& sub : module.modules(/*include_self=*/false)) {
-    if (!dynamic_cast<ShardedBase*>(sub.get()) && !zero::unit_name_matches(sub->name(), c.zero.unit_names)) continue;
-    int64_t n = 0;
-    for (const auto& p : sub->parameters(true)) {
-      const void* key = p.unsafeGetTensorImpl();
-      if (in_blocks.insert(key).second) n += full[key];
-    }
-    if (n > 0) blocks.push_back(n);
-  }
-  int64_t root = 0;
-  for (const auto& [key, n] : full) {
-    if (!in_blocks.count(key)) root += n;
-  }
-  m.units.push_back(root);
-  m.units.insert(m.units.end(), blocks.begin(), blocks.end());
-
+estimate::RunShape run_shape_of(const Config& c, int world, bool on_gpu) {
   estimate::RunShape r;
   r.stage = static_cast<int>(c.zero.stage);
   r.offload_optimizer = offload_of(c.zero.offload_optimizer.device);
@@ -109,6 +52,85 @@ PrepareMemory predict_prepare_memory(torch::nn::Module& module, zero::InitShards
   r.max_in_cpu = c.zero.offload_param.max_in_cpu;
   r.buffer_count = static_cast<int>(c.zero.offload_optimizer.buffer_count);
   r.param_buffer_count = static_cast<int>(c.zero.offload_param.buffer_count);
+  r.activation_checkpointing = c.activation_checkpointing.enabled;
+  r.checkpoint_interval = std::max<int64_t>(1, c.activation_checkpointing.unit_interval);
+  return r;
+}
+
+PreparedShape prepared_model_shape(torch::nn::Module& module, zero::InitShards* shards, const Config& c) {
+  // The model as the estimator sees it: every parameter once (tied ones under their first name),
+  // at its full size even when engine.init keeps only this rank's slice of it.
+  PreparedShape out;
+  estimate::ModelShape& m = out.model;
+  std::unordered_map<const void*, int64_t> full;  // parameter → elements
+  std::unordered_map<const void*, int> seen;
+  m.name = "the prepared model";
+  for (auto& item : module.named_parameters(true)) {
+    const at::Tensor& p = item.value();
+    const void* key = p.unsafeGetTensorImpl();
+    if (++seen[key] > 1) {  // tied: an embedding that is also the head
+      m.tied_head = std::max(m.tied_head, full[key]);
+      m.largest_param_grads = 2;
+      continue;
+    }
+    const zero::InitShards::Slice* s = shards ? shards->find(p) : nullptr;
+    const int64_t n = s ? s->numel : p.numel();
+    full[key] = n;
+    m.params += n;
+    m.largest_param = std::max(m.largest_param, n);
+    if (p.requires_grad()) out.trainable += n;
+    const at::Tensor& held = s ? s->data : p;
+    if (held.defined() && held.device().is_cpu()) out.present += held.numel() * static_cast<int64_t>(held.element_size());
+  }
+  for (const auto& b : module.buffers(true)) {
+    if (b.defined() && b.device().is_cpu()) out.present += b.numel() * static_cast<int64_t>(b.element_size());
+  }
+  // DeepSpeed's "largest layer": a module's own parameters.
+  for (const auto& sub : module.modules(/*include_self=*/true)) {
+    int64_t own = 0;
+    for (const auto& p : sub->parameters(/*recurse=*/false)) {
+      auto it = full.find(p.unsafeGetTensorImpl());
+      if (it != full.end()) own += it->second;
+    }
+    m.largest_layer = std::max(m.largest_layer, own);
+  }
+  // Stage 3's units as the engine forms them (engine/zero/stage3.cpp): the root, then each Sharded
+  // member and each module whose type zero_optimization.unit_names names (a Sharded member's own
+  // block is its member's unit already), in pre-order. A parameter belongs to the innermost unit
+  // holding it; those the root uses directly (a head tied to the embedding) stay in the root.
+  const auto all = module.named_modules("", /*include_self=*/false);
+  std::unordered_set<const torch::nn::Module*> sharded_blocks;
+  for (const auto& item : all) {
+    if (auto* s = dynamic_cast<ShardedBase*>(item.value().get())) sharded_blocks.insert(s->block().get());
+  }
+  const std::unordered_set<const void*> in_root = zero::root_parameters(module, c.zero.unit_names);
+  std::unordered_map<const void*, int> owner;
+  int count = 0;
+  for (const auto& item : all) {
+    torch::nn::Module* sub = item.value().get();
+    const bool sharded = dynamic_cast<ShardedBase*>(sub) != nullptr;
+    if (!sharded && (sharded_blocks.count(sub) || !zero::unit_name_matches(sub->name(), c.zero.unit_names))) continue;
+    ++count;
+    for (const auto& p : sub->parameters(true)) owner[p.unsafeGetTensorImpl()] = count;  // inner ones come later
+  }
+  std::vector<int64_t> sizes(static_cast<size_t>(count) + 1, 0);
+  for (const auto& [key, n] : full) {
+    auto it = owner.find(key);
+    sizes[it == owner.end() || in_root.count(key) ? 0 : static_cast<size_t>(it->second)] += n;
+  }
+  m.units.push_back(sizes[0]);
+  for (size_t i = 1; i < sizes.size(); ++i) {
+    if (sizes[i] > 0) m.units.push_back(sizes[i]);
+  }
+  return out;
+}
+
+PrepareMemory predict_prepare_memory(torch::nn::Module& module, zero::InitShards* shards, const Config& c, int world,
+                                     int local_world, bool on_gpu) {
+  const PreparedShape shape = prepared_model_shape(module, shards, c);
+  const estimate::ModelShape& m = shape.model;
+  const int64_t trainable = shape.trainable, present = shape.present;
+  estimate::RunShape r = run_shape_of(c, world, on_gpu);
   r.trainable_params = trainable;
   // The runtime: what the process holds beyond the model's own tensors.
   const int64_t resident = resident_bytes();
@@ -156,6 +178,45 @@ PrepareMemory predict_prepare_memory(torch::nn::Module& module, zero::InitShards
   if (local_world > 1) {
     out.remedies += fmt::format("{}fewer ranks on this machine ({} now share its memory)",
                                 out.remedies.empty() ? "" : "; ", local_world);
+  }
+  return out;
+}
+
+BatchMemory predict_batch_memory(const estimate::ModelShape& m, const estimate::RunShape& batch, const Config& c,
+                                 int world, int64_t trainable, int64_t prepared_peak, int64_t budget) {
+  estimate::RunShape r = run_shape_of(c, world, /*on_gpu=*/false);
+  r.trainable_params = trainable;
+  r.chunked_loss = batch.chunked_loss;
+  r.loss_chunk = batch.loss_chunk;
+  // The growth of the prediction from one token to the batch: what the batch's tensors add, the
+  // model's own parts cancelling (prepare predicted those from the prepared module itself).
+  auto grows = [&](const estimate::RunShape& shape, int64_t micro) {
+    estimate::RunShape big = shape, one = shape;
+    big.micro_batch = micro;
+    big.seq_len = batch.seq_len;
+    one.micro_batch = 1;
+    one.seq_len = 1;
+    return std::max<int64_t>(0, estimate::predict(m, big).host_peak - estimate::predict(m, one).host_peak);
+  };
+  BatchMemory out;
+  out.activations = grows(r, batch.micro_batch);
+  if (budget >= 0) {
+    // The largest micro-batch that fits with 10 % of the budget to spare (the prediction's error is a
+    // few per cent), by bisection.
+    const int64_t spare = budget - budget / 10;
+    int64_t lo = 0, hi = batch.micro_batch;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (prepared_peak + grows(r, mid) <= spare) lo = mid;
+      else hi = mid - 1;
+    }
+    out.largest_micro_batch = lo;
+  }
+  if (!r.activation_checkpointing) {
+    estimate::RunShape ck = r;
+    ck.activation_checkpointing = true;
+    ck.checkpoint_interval = 1;
+    out.with_checkpointing = prepared_peak + grows(ck, batch.micro_batch);
   }
   return out;
 }

@@ -408,13 +408,18 @@ void Stage3::touched(const std::vector<Unit*>& units, const std::vector<Unit*>& 
     prev->release();
   }
   const char* phase = in_backward ? "gathered on touch in the backward" : "gathered on touch";
-  for (Unit* u : use) {
-    const bool fresh = !was_touched(u) || u->state() == Unit::State::kReleased;
-    u->gather(false, phase);
-    if (fresh) fetch_->on_fetch(*u, training ? FetchCoordinator::Pass::kTraining : FetchCoordinator::Pass::kNoGrad);
-  }
-  for (Unit* u : use) u->wait_gather();
+  std::vector<char> fresh(use.size());
+  for (size_t i = 0; i < use.size(); ++i) fresh[i] = !was_touched(use[i]) || use[i]->state() == Unit::State::kReleased;
+  // Recorded before they are gathered: a gather that fails (a peer gone, a swap read failing) leaves
+  // them where the next touch or the pass's end releases them.
   touched_ = std::move(use);
+  for (size_t i = 0; i < touched_.size(); ++i) {
+    touched_[i]->gather(false, phase);
+    if (fresh[i]) {
+      fetch_->on_fetch(*touched_[i], training ? FetchCoordinator::Pass::kTraining : FetchCoordinator::Pass::kNoGrad);
+    }
+  }
+  for (Unit* u : touched_) u->wait_gather();
 }
 
 // --- reductions ----------------------------------------------------------------------------------

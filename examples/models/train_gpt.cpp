@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/estimate.h"
 #include "engine/error.h"
 #include "engine/output.h"
 #include "engine/memory_tracker.h"
@@ -384,6 +385,15 @@ int main(int argc, char** argv) {
       if (!jsonl) throw zeal::Error(fmt::format("--log_jsonl: cannot write {}", log_jsonl));
     }
     trainer.add_callback(std::make_shared<RunLog>(engine, &jsonl, log_jsonl, seq_len, eval_every > 0));
+    // The micro-batch's activations against the memory each rank may use, checked when the Trainer
+    // prepares the model: a batch no rank can hold ends here, named, not in the kernel's OOM killer.
+    zeal::estimate::RunShape batch;
+    batch.micro_batch = micro;
+    batch.seq_len = seq_len;
+    batch.chunked_loss = cfg.chunked_loss;
+    batch.loss_chunk = cfg.loss_chunk;
+    engine.check_batch_memory(
+        zeal::estimate::gpt_shape(cfg.name, cfg.vocab, cfg.context, cfg.layers, cfg.dim, cfg.heads, cfg.tie_head), batch);
     trainer.train();
     engine.end_training();
   } catch (const std::exception& e) {

@@ -131,11 +131,12 @@ else
 fi
 # Inputs that are wrong in content, not form: the run ends non-zero naming the file or flag, in one
 # message without the standard library's or LibTorch's own text or a C++ backtrace.
+run_prefix=()  # a command train_gpt runs under (prlimit)
 check_run() {  # what to find, arguments...
   local want=$1
   shift
   local err rc
-  err=$(timeout 120 "$train_gpt" "$@" 2>&1 >/dev/null)
+  err=$(timeout 120 "${run_prefix[@]}" "$train_gpt" "$@" 2>&1 >/dev/null)
   rc=$?
   if [ "$rc" -eq 0 ] || ! grep -qF -- "$want" <<<"$err" ||
      grep -qE "frame #|Exception raised from|enforce fail|basic_filebuf|_M_default_append|negative dimension" <<<"$err"; then
@@ -175,7 +176,16 @@ check_fails() {  # exit code wanted, what to find, program, arguments...
 }
 check_fails 1 "--out: cannot create the folder /proc/zeal_lora_out" "$finetune_lora" --out /proc/zeal_lora_out
 check_fails 2 "--json: cannot create the folder /proc/zeal_est" "$zeal" estimate-memory --model tiny --json /proc/zeal_est/est.json
-# An allocation no machine has: LibTorch's enforce failure, in one line.
-check_run "you tried to allocate" --steps 1 --seq_len 128 --micro_batch 1048576
+# A micro-batch no rank can hold: refused when the model is prepared, named with the largest that
+# fits (never left to the kernel's OOM killer on a machine that overcommits).
+check_run "memory_check: the batch will not fit: rank 0: 1048576 x 128 tokens per micro-step (tiny)" \
+  --steps 1 --seq_len 128 --micro_batch 1048576
+check_run "The largest micro-batch predicted to fit with 10 % to spare is" --steps 1 --seq_len 128 --micro_batch 1048576
+# With the check off and the address space bounded, the allocation fails: LibTorch's enforce
+# failure, in one line.
+printf 'memory_check: "off"\n' >"$dir/check_off.yaml"
+run_prefix=(prlimit --as=17179869184 --)
+check_run "you tried to allocate" --steps 1 --seq_len 128 --micro_batch 1048576 --config_file "$dir/check_off.yaml"
+run_prefix=()
 rm -rf "$dir"
 exit $fail

@@ -70,3 +70,25 @@ grep -q "What would lower the peak: .*offload_optimizer.device nvme ([0-9.]* [MG
 grep -q "failed: rank 0 was killed by the kernel's out-of-memory killer (SIGKILL; .*); it held .* at the last sample, [0-9.]* GiB at most" \
   "$work/warn.log" || fail "the launcher does not report the OOM killer"
 echo "PASS: warned at prepare, and the OOM kill reported as such"
+
+# A micro-batch whose activations alone exceed the limit: refused when the model is prepared, even
+# with memory_check at its default, naming the largest micro-batch predicted to fit with 10 % to
+# spare; that micro-batch trains under the same limit.
+tiny=("$train_gpt" --model tiny --steps 1 --seq_len 128)
+start=$(date +%s)
+in_cgroup "$zeal" launch --num_processes 1 --config_file configs/single_process.yaml --main_process_port 29570 \
+  "${tiny[@]}" --micro_batch 65536 >"$work/batch.log" 2>&1
+status=$?
+took=$(($(date +%s) - start))
+[ $status = 1 ] || fail "a batch over the limit: expected exit status 1, got $status"
+grep -q "memory_check: the batch will not fit: rank 0: 65536 x 128 tokens per micro-step (tiny) are predicted to add [0-9.]* GiB" \
+  "$work/batch.log" || fail "the batch's refusal does not name it and its activations"
+grep -q "the memory cgroup's limit of 1.50 GiB" "$work/batch.log" || fail "the batch's refusal does not name the limit"
+fits=$(grep -o "The largest micro-batch predicted to fit with 10 % to spare is [0-9]*" "$work/batch.log" | head -n 1 | grep -o "[0-9]*$")
+[ -n "$fits" ] && [ "$fits" -gt 1 ] || fail "no micro-batch predicted to fit"
+[ "$took" -lt 60 ] || fail "the batch's refusal took $took s"
+echo "PASS: a batch over the limit refused in $took s; $fits predicted to fit"
+
+in_cgroup "$zeal" launch --num_processes 1 --config_file configs/single_process.yaml --main_process_port 29571 \
+  "${tiny[@]}" --micro_batch "$fits" >"$work/fits.log" 2>&1 || fail "micro-batch $fits (the largest predicted to fit) did not train"
+echo "PASS: micro-batch $fits trains under the limit"

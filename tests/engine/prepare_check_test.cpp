@@ -1,0 +1,145 @@
+// The memory check's view of a model: stage 3's units formed as the engine forms them (nested units
+// counted once, in the innermost), and what a batch adds on top of the prepared peak.
+#include <gtest/gtest.h>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include <vector>
+
+#include "engine/config/config.h"
+#include "engine/estimate.h"
+#include "engine/prepare_check.h"
+#include "engine/zero/sharded.h"
+
+namespace {
+
+constexpr int64_t kDim = 48;
+constexpr int64_t kLinear = kDim * kDim + kDim;
+
+struct LeafImpl : torch::nn::Module {
+  LeafImpl() { fc = register_module("fc", torch::nn::Linear(kDim, kDim)); }
+  at::Tensor forward(const at::Tensor& x) { return fc(x); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Leaf);
+
+// A Sharded unit holding another: `pre` is the outer unit's, the inner Leaf's Linear the inner's.
+struct OuterImpl : torch::nn::Module {
+  OuterImpl() {
+    pre = register_module("pre", torch::nn::Linear(kDim, kDim));
+    inner = register_module("inner", zeal::Sharded<Leaf>());
+  }
+  at::Tensor forward(const at::Tensor& x) { return inner->forward(pre(x)); }
+  torch::nn::Linear pre{nullptr};
+  zeal::Sharded<Leaf> inner{nullptr};
+};
+TORCH_MODULE(Outer);
+
+// The same, its inner block a plain Leaf (a unit only when unit_names names LeafImpl).
+struct OuterPlainImpl : torch::nn::Module {
+  OuterPlainImpl() {
+    pre = register_module("pre", torch::nn::Linear(kDim, kDim));
+    inner = register_module("inner", Leaf());
+  }
+  at::Tensor forward(const at::Tensor& x) { return inner->forward(pre(x)); }
+  torch::nn::Linear pre{nullptr};
+  Leaf inner{nullptr};
+};
+TORCH_MODULE(OuterPlain);
+
+struct NestedNetImpl : torch::nn::Module {
+  explicit NestedNetImpl(bool plain_inner) {
+    head = register_module("head", torch::nn::Linear(kDim, kDim));
+    if (plain_inner) {
+      outer_plain = register_module("outer", zeal::Sharded<OuterPlain>());
+    } else {
+      outer = register_module("outer", zeal::Sharded<Outer>());
+    }
+    last = register_module("last", zeal::Sharded<Leaf>());
+  }
+  torch::nn::Linear head{nullptr};
+  zeal::Sharded<Outer> outer{nullptr};
+  zeal::Sharded<OuterPlain> outer_plain{nullptr};
+  zeal::Sharded<Leaf> last{nullptr};
+};
+TORCH_MODULE(NestedNet);
+
+struct FlatNetImpl : torch::nn::Module {
+  FlatNetImpl() {
+    head = register_module("head", torch::nn::Linear(kDim, kDim));
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("b" + std::to_string(i), zeal::Sharded<Leaf>()));
+  }
+  torch::nn::Linear head{nullptr};
+  std::vector<zeal::Sharded<Leaf>> blocks;
+};
+TORCH_MODULE(FlatNet);
+
+zeal::Config stage3() {
+  zeal::Config c;
+  c.zero.stage = 3;
+  return c;
+}
+
+TEST(PrepareCheck, NestedUnitsHoldTheirOwnParametersOnly) {
+  const zeal::Config c = stage3();
+  NestedNet nested(false);
+  FlatNet flat;
+  const auto n = zeal::detail::prepared_model_shape(*nested, nullptr, c);
+  const auto f = zeal::detail::prepared_model_shape(*flat, nullptr, c);
+  // The root (head), the outer unit (pre), the inner unit (its Linear), the last: one Linear each,
+  // as Stage3 forms them; the outer unit does not count its inner unit's parameters again.
+  EXPECT_EQ(n.model.units, (std::vector<int64_t>{kLinear, kLinear, kLinear, kLinear}));
+  EXPECT_EQ(n.model.units, f.model.units);
+  EXPECT_EQ(n.model.params, 4 * kLinear);
+  // So the prediction of the two layouts is the same (their runtime aside).
+  zeal::estimate::RunShape r = zeal::detail::run_shape_of(c, 2, false);
+  EXPECT_EQ(zeal::estimate::predict(n.model, r).host_peak, zeal::estimate::predict(f.model, r).host_peak);
+}
+
+TEST(PrepareCheck, UnitsByTypeNameInsideASharedUnit) {
+  zeal::Config c = stage3();
+  c.zero.unit_names = {"LeafImpl"};
+  NestedNet nested(true);  // outer: Sharded<OuterPlain> { pre, Leaf }, last: Sharded<Leaf>
+  const auto n = zeal::detail::prepared_model_shape(*nested, nullptr, c);
+  // The plain Leaf inside the outer unit is a unit of its own; the last Sharded<Leaf>'s block is its
+  // member's unit, not a second one.
+  EXPECT_EQ(n.model.units, (std::vector<int64_t>{kLinear, kLinear, kLinear, kLinear}));
+  c.zero.unit_names.clear();
+  const auto without = zeal::detail::prepared_model_shape(*nested, nullptr, c);
+  EXPECT_EQ(without.model.units, (std::vector<int64_t>{kLinear, 2 * kLinear, kLinear}));
+}
+
+TEST(PrepareCheck, ABatchAddsItsActivationsAndTheLargestThatFitsIsFound) {
+  zeal::Config c;
+  c.zero.stage = 0;
+  const auto model = zeal::estimate::gpt_shape("gpt2-small", 50257, 1024, 12, 768, 12);
+  zeal::estimate::RunShape batch;
+  batch.seq_len = 1024;
+  auto adds = [&](int64_t micro, int64_t prepared, int64_t budget) {
+    batch.micro_batch = micro;
+    return zeal::detail::predict_batch_memory(model, batch, c, 1, model.params, prepared, budget);
+  };
+  const int64_t one = adds(1, 0, -1).activations, two = adds(2, 0, -1).activations, four = adds(4, 0, -1).activations;
+  EXPECT_GT(one, 0);
+  // Each sequence more adds the same (its blocks' activations, logits and softmax): linear in the batch.
+  EXPECT_NEAR(static_cast<double>(four - two), 2.0 * static_cast<double>(two - one), 0.01 * static_cast<double>(two - one));
+  EXPECT_GT(two - one, int64_t{1} << 30);  // gpt2-small at 1,024 tokens: above 1 GiB a sequence
+  // The largest micro-batch predicted to fit with 10 % to spare: its peak fits 90 % of the budget,
+  // one more does not.
+  const int64_t prepared = int64_t{2} << 30, budget = prepared + 20 * one;
+  const auto bm = adds(64, prepared, budget);
+  ASSERT_GT(bm.largest_micro_batch, 0);
+  ASSERT_LT(bm.largest_micro_batch, 64);
+  const int64_t spare = budget - budget / 10;
+  EXPECT_LE(prepared + adds(bm.largest_micro_batch, prepared, budget).activations, spare);
+  EXPECT_GT(prepared + adds(bm.largest_micro_batch + 1, prepared, budget).activations, spare);
+  // Checkpointing every block predicts a lower peak than keeping every block's activations.
+  EXPECT_GE(bm.with_checkpointing, 0);
+  EXPECT_LT(bm.with_checkpointing, prepared + bm.activations);
+  c.activation_checkpointing.enabled = true;
+  EXPECT_EQ(adds(64, prepared, budget).with_checkpointing, -1);  // on already: no such remedy to offer
+  EXPECT_LT(adds(64, prepared, budget).activations, bm.activations);
+}
+
+}  // namespace
