@@ -230,18 +230,12 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
       const bool whole = budget >= bytes + (1 << 20);
       budget = std::min(budget, bytes + (1 << 20));
       staging = std::make_shared<Staging>(budget, options.keep_staging ? state_->staging_pool : nullptr, whole);
-      // With a core to spare per rank, the background thread faults the staging in ahead of the copy
-      // (one rank on 2 cores: the copy of 3 GB blocked 0.75 s instead of 2.5 s); without one it would
-      // take the core from another rank's copy (2 ranks on 2 cores: 1.12 of a save instead of 0.93).
-      const bool fault_in_ahead = whole && cpu_cores_available() >= 2 * runtime_->local_world_size();
       const double timeout = config_.launch.comm_timeout;
       // The background thread: writes the staged chunks, publishes this rank's report next to its
       // file; rank 0 then waits for every rank's report and completes the checkpoint.
       background = std::async(std::launch::async, [staging, w, mine, file, tmp, dir, rank, world, meta, custom,
-                                                   fault_in_ahead, automatic, total_limit = options.total_limit,
-                                                   timeout]() mutable {
+                                                   automatic, total_limit = options.total_limit, timeout]() mutable {
         try {
-          if (fault_in_ahead) staging->fault_in_ahead();
           while (Staging::Chunk* ch = staging->next()) {
             w->append(ch->bytes.get(), ch->fill);
             staging->done(ch);

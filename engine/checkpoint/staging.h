@@ -124,37 +124,6 @@ class Staging : public Sink {
     std::lock_guard<std::mutex> lock(mu_);
     return !error_.empty();
   }
-  // The background thread's side, while the writes are held back (the whole state fits the budget):
-  // allocates the chunks the copy will fill and faults their pages in, ahead of the copy, so that
-  // the training thread's copy runs at memory speed instead of paying a page fault every 4 KiB
-  // (fresh memory costs 3 to 10 times the copy on virtual machines). The copy takes chunks from
-  // here first and allocates its own only when it overtakes this.
-  void fault_in_ahead() {
-    for (;;) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!hold_ || closed_ || !error_.empty() || static_cast<int64_t>(all_.size()) + reserved_ >= max_) return;
-        ++reserved_;
-      }
-      std::unique_ptr<Chunk> c = pool_ ? pool_->take(chunk_) : nullptr;
-      if (!c) {
-        c = std::make_unique<Chunk>(chunk_);
-        fault_in(c->bytes.get(), chunk_);
-      }
-      std::lock_guard<std::mutex> lock(mu_);
-      --reserved_;
-      all_.push_back(std::move(c));
-      prefaulted_.push_back(all_.back().get());
-      cv_.notify_all();
-    }
-  }
-  // Faults in the pages of [p, p + n) (MADV_POPULATE_WRITE, else a write per page).
-  static void fault_in(char* p, int64_t n);
-  // Chunks the copy had to allocate itself (fault_in_ahead had none ready).
-  int64_t copy_allocations() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return copy_allocations_;
-  }
   // The background thread's side: the next chunk to write (null when all are written).
   Chunk* next() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -175,29 +144,19 @@ class Staging : public Sink {
  private:
   Chunk* take() {
     std::unique_lock<std::mutex> lock(mu_);
-    if (hold_ && free_.empty() && prefaulted_.empty() && reserved_ == 0 && static_cast<int64_t>(all_.size()) >= max_) {
+    if (hold_ && free_.empty() && static_cast<int64_t>(all_.size()) >= max_) {
       hold_ = false;  // never both waiting for room and holding the writes back
       cv_.notify_all();
     }
-    cv_.wait(lock, [&] {
-      return !free_.empty() || !prefaulted_.empty() || static_cast<int64_t>(all_.size()) + reserved_ < max_ ||
-             !error_.empty();
-    });
+    cv_.wait(lock, [&] { return !free_.empty() || static_cast<int64_t>(all_.size()) < max_ || !error_.empty(); });
     if (!error_.empty()) throw Error(error_);
-    for (auto* list : {&prefaulted_, &free_}) {
-      if (list->empty()) continue;
-      Chunk* c = list->front();
-      list->erase(list->begin());
+    if (!free_.empty()) {
+      Chunk* c = free_.back();
+      free_.pop_back();
       return c;
     }
-    ++reserved_;
-    ++copy_allocations_;
-    lock.unlock();
     std::unique_ptr<Chunk> kept = pool_ ? pool_->take(chunk_) : nullptr;
-    if (!kept) kept = std::make_unique<Chunk>(chunk_);
-    lock.lock();
-    --reserved_;
-    all_.push_back(std::move(kept));
+    all_.push_back(kept ? std::move(kept) : std::make_unique<Chunk>(chunk_));
     return all_.back().get();
   }
   void publish() {
@@ -214,17 +173,11 @@ class Staging : public Sink {
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Chunk>> all_;
   std::vector<Chunk*> free_;
-  std::vector<Chunk*> prefaulted_;  // allocated and faulted in by fault_in_ahead, not used yet
-  int64_t reserved_ = 0;            // chunks being allocated outside the lock
-  int64_t copy_allocations_ = 0;
   std::deque<Chunk*> ready_;
   Chunk* cur_ = nullptr;
   bool closed_ = false;
   std::string error_;
 };
-
-// The cores this process may run on (its affinity).
-int cpu_cores_available();
 
 // Host memory an asynchronous save may stage by default: half of what is available, shared by
 // the ranks.
