@@ -66,7 +66,8 @@ json lora_layers(const torch::nn::Module& model) {
   json out = json::object();
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     peft::detail::Slot slot;
-    if (!peft::detail::find_slot(item.value().get(), &slot)) continue;
+    // Adapters turned off by a disable_adapter() scope are still the model's (merged ones have no slot).
+    if (!peft::detail::find_any_slot(item.value().get(), &slot)) continue;
     const auto* lin = dynamic_cast<const torch::nn::LinearImpl*>(item.value().get());
     const auto w = lin ? name_of.find(lin->weight.unsafeGetTensorImpl()) : name_of.end();
     const auto a = name_of.find(slot.A->weight.unsafeGetTensorImpl()), b = name_of.find(slot.B->weight.unsafeGetTensorImpl());

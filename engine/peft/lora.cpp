@@ -61,15 +61,20 @@ void recount() {
 
 int live_slots() { return live.load(std::memory_order_acquire); }
 
-bool find_slot(const torch::nn::Module* linear, Slot* out) {
+namespace {
+bool find_in_slots(const torch::nn::Module* linear, Slot* out, bool inactive_too) {
   std::lock_guard<std::mutex> lock(slots_mu);
   auto it = slots.find(linear);
-  if (it == slots.end() || !it->second.active) return false;
+  if (it == slots.end() || (!it->second.active && !inactive_too)) return false;
   auto owner = it->second.owner.lock();
   if (owner.get() != linear) return false;  // a module since destroyed, its address reused
   *out = it->second;
   return true;
 }
+}  // namespace
+
+bool find_slot(const torch::nn::Module* linear, Slot* out) { return find_in_slots(linear, out, false); }
+bool find_any_slot(const torch::nn::Module* linear, Slot* out) { return find_in_slots(linear, out, true); }
 
 void add_slot(const torch::nn::Module* linear, Slot slot) {
   std::lock_guard<std::mutex> lock(slots_mu);

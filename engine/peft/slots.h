@@ -26,6 +26,9 @@ struct Slot {
 int live_slots();
 // The active slot of `linear`, copied into *out; false when it has none.
 bool find_slot(const torch::nn::Module* linear, Slot* out);
+// The slot of `linear` whether active or turned off for a disable_adapter() scope (a checkpoint
+// saved inside one still records the adapters); false when it has none.
+bool find_any_slot(const torch::nn::Module* linear, Slot* out);
 void add_slot(const torch::nn::Module* linear, Slot slot);
 void set_active(const torch::nn::Module* linear, bool active);
 void remove_slot(const torch::nn::Module* linear);

@@ -168,6 +168,8 @@ void train_lora(int stage, int world, const std::string& dir, bool init, int ste
         if (save_checkpoints) {
           engine.save_state(dir + "/ckpt");
           engine.save_state(dir + "/ckpt_nofrozen", {.include_frozen = false});
+          auto off = peft.disable_adapter();  // saved while evaluating the base model, say
+          engine.save_state(dir + "/ckpt_disabled");
         }
         peft.merge_and_unload(&engine);
         peft.save_merged(dir + "/merged", &engine);
@@ -525,6 +527,15 @@ TEST(Lora, MergedExportWithoutFrozenWeightsKeepsTheAdaptedOnes) {
     EXPECT_NE(std::string(e.what()).find("does not hold the weight"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(fs::exists(dir + "/out2/model.safetensors"));
+  // Saved inside disable_adapter(): the checkpoint still holds the adapters, and its merged export
+  // is the same as the one saved with them on.
+  zeal::ckpt::consolidate(dir + "/ckpt_disabled", dir + "/out3", {.merged = true});
+  const StFile off = read_st(dir + "/out3/model.safetensors");
+  ASSERT_EQ(off.tensors.size(), full.tensors.size());
+  for (const auto& [k, t] : full.tensors) {
+    ASSERT_TRUE(off.tensors.count(k)) << k;
+    EXPECT_TRUE(at::equal(off.tensors.at(k), t)) << k << ": saved inside disable_adapter(), merged differently";
+  }
 }
 
 TEST(Lora, EveryStageAndWorldSizeTrainsTheSameAdapters) {
