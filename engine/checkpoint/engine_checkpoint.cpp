@@ -53,6 +53,7 @@
 #include "engine/error.h"
 #include "engine/runtime/runtime.h"
 #include "offload/crc32c.h"
+#include "offload/prefault.h"
 
 namespace zeal {
 
@@ -475,11 +476,18 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     int64_t total = 0;
     for (const auto& r : reads) total += r.n;
     const int64_t budget = options.memory_budget >= 0 ? options.memory_budget : default_staging_budget(runtime_->local_world_size()) / 2;
+    std::unique_ptr<offload::Prefaulter> prefault;
     if (total <= budget) {
+      std::vector<std::pair<char*, int64_t>> fresh;
       for (auto& r : reads) {
         kept.emplace_back(new char[static_cast<size_t>(r.n)]);  // not zeroed: every byte is read
         r.out = kept.back().get();
+        fresh.emplace_back(r.out, r.n);
       }
+      // Their pages are faulted in on a thread of its own, in the order the reads fill them, while
+      // the disk reads into the ones before (the reads themselves wait on the disk, not the CPU).
+      // (checkpoint_bench, 5e8 parameters on 2 ranks, alternated: 1.10-1.19 GB/s against 0.92-0.96.)
+      prefault = std::make_unique<offload::Prefaulter>(std::move(fresh));
     }
     // Two passes read through the page cache: the second finds there what memory pressure left of
     // the first (the page cache is the kernel's to give back, not this process's).
