@@ -15,16 +15,12 @@ namespace zeal::offload {
 void fault_in(char* p, int64_t n) {
   if (n <= 0) return;
   static const int64_t page = ::sysconf(_SC_PAGESIZE);
-  volatile char* v = p;
-  // The whole pages inside in one call (faulted as a batch); the partial pages at either end by a
-  // write; every page by a write where the kernel lacks the call.
+  // The whole pages inside, in one call that faults them as a batch and never changes a byte: the
+  // caller's reads may be filling them already. The partial pages at either end, and every page on
+  // a kernel without the call, are left to fault when they are first written.
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~static_cast<uintptr_t>(page - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(n)) & ~static_cast<uintptr_t>(page - 1);
-  if (end <= begin || ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) != 0) {
-    for (int64_t i = 0; i < n; i += page) v[i] = 0;
-  }
-  v[0] = 0;
-  v[n - 1] = 0;
+  if (end > begin) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
 }
 
 Prefaulter::Prefaulter(std::vector<std::pair<char*, int64_t>> buffers) : buffers_(std::move(buffers)) {

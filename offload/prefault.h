@@ -12,7 +12,8 @@
 
 namespace zeal::offload {
 
-// Faults in the pages of [p, p + n): MADV_POPULATE_WRITE (Linux 5.14), else a write per page.
+// Faults in the whole pages inside [p, p + n) (MADV_POPULATE_WRITE, Linux 5.14; older kernels: no
+// effect). Never stores: another thread may be writing the buffer meanwhile.
 void fault_in(char* p, int64_t n);
 
 class Prefaulter {
