@@ -310,7 +310,7 @@ Communicator& Engine::comm() {
 Engine::InitScope::InitScope(Engine* e) : e_(e) {
   const auto& z = e->config_.zero;
   e->state_->init_done = false;
-  ctx_ = std::make_unique<zero::InitContext>(e->shard_comm(), z.stage == 3 && z.zero3_init_flag, e->device_, z.unit_names);
+  ctx_ = std::make_unique<zero::InitContext>(e->shard_comm(), z.stage == 3 && z.zero3_init_flag, e->device_);
 }
 
 Engine::InitScope::~InitScope() = default;

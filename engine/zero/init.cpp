@@ -62,8 +62,8 @@ int64_t InitShards::bytes() const {
   return n;
 }
 
-InitContext::InitContext(Communicator& comm, bool partition, at::Device device, std::vector<std::string> unit_names)
-    : comm_(comm), partition_(partition && comm.world_size() > 1), unit_names_(std::move(unit_names)), prev_(g_current) {
+InitContext::InitContext(Communicator& comm, bool partition, at::Device device)
+    : comm_(comm), partition_(partition && comm.world_size() > 1), prev_(g_current) {
   if (partition_) {
     // Every rank builds with rank 0's generator states: the same values everywhere, those one
     // process seeded like rank 0 builds. The states travel on the engine's device (NCCL takes
@@ -94,11 +94,6 @@ InitContext::~InitContext() {
 InitContext* InitContext::current() { return g_current; }
 
 bool InitContext::partition(ShardedBase& unit) {
-  largest_unit_ = std::max(largest_unit_, partition_params(unit, {}));
-  return partition_;
-}
-
-int64_t InitContext::partition_params(torch::nn::Module& unit, const std::unordered_set<const void*>& keep) {
   c10::NoGradGuard no_grad;
   const int world = comm_.world_size();
   const int rank = comm_.rank();
@@ -106,7 +101,7 @@ int64_t InitContext::partition_params(torch::nn::Module& unit, const std::unorde
   for (const auto& item : unit.named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
     const void* key = p.unsafeGetTensorImpl();
-    if (shards_->slices_.count(key) || keep.count(key)) continue;  // a nested unit's, or the root's
+    if (shards_->slices_.count(key)) continue;  // a nested unit's, already partitioned
     bytes += bytes_of(p);
     if (!partition_ || p.numel() == 0) continue;  // on any device: the slice stays where p is
     const int64_t per = (p.numel() + world - 1) / world;
@@ -118,33 +113,16 @@ int64_t InitContext::partition_params(torch::nn::Module& unit, const std::unorde
     shards_->slices_[key] = {slice, p.numel()};
     free_storage(p);
   }
-  return bytes;
+  largest_unit_ = std::max(largest_unit_, bytes);
+  return partition_;
 }
 
 std::shared_ptr<InitShards> InitContext::finish(torch::nn::Module& model, InitReport* report) {
-  // Modules named by type (zero_optimization.unit_names) have no constructor that could partition
-  // them as a Sharded member's does: they were built whole and are partitioned now, innermost
-  // first, before prepare allocates anything beside them. The parameters the root uses directly
-  // stay whole (stage 3 keeps them in the root unit).
-  int64_t named_bytes = 0;
-  if (partition_ && !unit_names_.empty()) {
-    std::unordered_set<const torch::nn::Module*> sharded_blocks;
-    const auto all = model.modules(/*include_self=*/false);
-    for (const auto& m : all) {
-      if (auto* s = dynamic_cast<ShardedBase*>(m.get())) sharded_blocks.insert(s->block().get());
-    }
-    const std::unordered_set<const void*> root = root_parameters(model, unit_names_);
-    for (auto it = all.rbegin(); it != all.rend(); ++it) {
-      torch::nn::Module& m = **it;
-      if (dynamic_cast<ShardedBase*>(&m) || sharded_blocks.count(&m) || !unit_name_matches(m.name(), unit_names_)) continue;
-      named_bytes += partition_params(m, root);
-    }
-  }
   if (report) {
     InitReport r;
     r.partitioned = partition_;
     r.peak = counter_->peak();
-    const auto root = root_parameters(model, unit_names_);
+    const auto root = root_parameters(model);
     std::unordered_set<const void*> seen;
     for (const auto& p : model.parameters(true)) {
       const void* key = p.unsafeGetTensorImpl();
@@ -157,7 +135,6 @@ std::shared_ptr<InitShards> InitContext::finish(torch::nn::Module& model, InitRe
       r.root_bytes += bytes_of(b);
     }
     r.largest_unit = largest_unit_;
-    r.built_whole = named_bytes;
     r.shard_bytes = shards_->bytes();
     *report = r;
   }

@@ -15,8 +15,6 @@
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
-#include <string>
-#include <vector>
 
 namespace torch::nn {
 class Module;
@@ -67,10 +65,8 @@ struct InitReport {
   int64_t largest_unit = 0;   // the largest Sharded member's own parameters
   int64_t root_bytes = 0;     // parameters outside every Sharded member, and buffers
   int64_t shard_bytes = 0;    // slices kept
-  int64_t built_whole = 0;    // units named by type (unit_names): built whole, partitioned at the end
-  // What construction may hold: the largest unit + the root + the slices kept (+ the units named by
-  // type, whole until construction ends).
-  int64_t bound() const { return largest_unit + root_bytes + shard_bytes + built_whole; }
+  // What construction may hold: the largest unit + the root + the slices kept.
+  int64_t bound() const { return largest_unit + root_bytes + shard_bytes; }
 };
 
 class InitContext {
@@ -78,8 +74,7 @@ class InitContext {
   // partition: keep slices (stage 3 with zero3_init_flag and more than one rank); otherwise the
   // context only measures. device: the engine's; the generator states go through `comm` there, and
   // on a CUDA device that device's generator is made rank 0's too (a block built on the GPU).
-  // unit_names: zero_optimization.unit_names; those modules are partitioned when construction ends.
-  InitContext(Communicator& comm, bool partition, at::Device device = at::kCPU, std::vector<std::string> unit_names = {});
+  InitContext(Communicator& comm, bool partition, at::Device device = at::kCPU);
   ~InitContext();
   InitContext(const InitContext&) = delete;
   InitContext& operator=(const InitContext&) = delete;
@@ -94,11 +89,7 @@ class InitContext {
 
  private:
   Communicator& comm_;
-  // Keeps this rank's slice of every parameter of `unit` not in `keep` nor sliced yet; their bytes.
-  int64_t partition_params(torch::nn::Module& unit, const std::unordered_set<const void*>& keep);
-
   bool partition_;
-  std::vector<std::string> unit_names_;
   std::shared_ptr<InitShards> shards_ = std::make_shared<InitShards>();
   int64_t largest_unit_ = 0;
   InitContext* prev_;

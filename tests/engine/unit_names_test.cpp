@@ -69,7 +69,6 @@ struct Run {
   std::vector<std::string> unit_names;
   bool prefetch = true;
   bool lora = false;  // adapters on every block's fc: the blocks' frozen weights gathered in the backward too
-  bool init = false;  // built by engine.init with zero3_init_flag: partitioned before prepare
 };
 
 struct Result {
@@ -140,22 +139,9 @@ Result run(const Run& spec) {
         c.zero.unit_names = spec.unit_names;
         c.zero.stage3_param_persistence_threshold = {0, false};
         if (!spec.prefetch) c.zero.stage3_prefetch_bucket_size = {0, false};
-        c.zero.zero3_init_flag = spec.init;
         zeal::Engine engine(c, rt);
         torch::manual_seed(5);
-        if (spec.init) {
-          PlainStack net = engine.init<PlainStack>();
-          // Before prepare the blocks hold this rank's half of their parameters (kept by the
-          // engine), nothing in the parameters themselves; only the root's head is whole.
-          int64_t held = 0, head = 0;
-          for (const auto& p : net->parameters()) held += static_cast<int64_t>(p.storage().nbytes());
-          for (const auto& p : net->head->parameters()) head += p.numel() * static_cast<int64_t>(p.element_size());
-          if (held != head) {
-            throw std::runtime_error("engine.init with unit_names: the parameters hold " + std::to_string(held) +
-                                     " bytes after construction, the head alone " + std::to_string(head));
-          }
-          train(engine, rt, net, out, spec.lora);
-        } else if (spec.wrapped) {
+        if (spec.wrapped) {
           train(engine, rt, WrappedStack(), out, spec.lora);
         } else {
           train(engine, rt, PlainStack(), out, spec.lora);
@@ -183,15 +169,6 @@ TEST(UnitNames, BlocksNamedByTypeTrainAsStageZeroBitForBitWhateverCallsThem) {
     const Result by_type = run({.stage = 3, .unit_names = {name}});
     EXPECT_TRUE(by_type.values == zero.values) << "unit_names [" << name << "]: stage 3 differs from stage 0";
   }
-}
-
-// zero3_init_flag (DeepSpeed's zero.Init, Accelerate's fsdp_cpu_ram_efficient_loading): blocks named
-// by type are partitioned when engine.init's construction ends, and train as stage 0 does.
-TEST(UnitNames, ZeroInitPartitionsBlocksNamedByTypeAndTrainsAsStageZeroBitForBit) {
-  const Result zero = run({.stage = 0});
-  ASSERT_FALSE(zero.values.empty());
-  const Result built = run({.stage = 3, .unit_names = {"LinearBlock"}, .init = true});
-  EXPECT_TRUE(built.values == zero.values) << "engine.init with unit_names: stage 3 differs from stage 0";
 }
 
 TEST(UnitNames, LoraAdaptersInBlocksNamedByTypeTrainAsStageZeroBitForBit) {
