@@ -497,17 +497,20 @@ void Engine::check_batch_memory(const estimate::ModelShape& model, const estimat
     state_->batch_check.emplace(model, batch);
     return;
   }
-  if (config_.memory_check == "off" || device_.is_cuda() || state_->predicted_peak < 0) return;
+  // memory_check is the same on every rank (compared at the rendezvous); below, every rank takes
+  // part in the verdict, even one with nothing to check (a GPU rank, a budget that could not be read).
+  if (config_.memory_check == "off") return;
   const int64_t budget = state_->memory_budget;
-  if (budget < 0) return;  // nothing could be read
+  const bool checked = !device_.is_cuda() && state_->predicted_peak >= 0 && budget >= 0;
   const detail::BatchMemory bm =
-      detail::predict_batch_memory(model, batch, config_, shard_comm().world_size(), num_trainable_parameters(),
-                                   state_->predicted_peak, budget);
+      checked ? detail::predict_batch_memory(model, batch, config_, shard_comm().world_size(), num_trainable_parameters(),
+                                             state_->predicted_peak, budget)
+              : detail::BatchMemory{};
   const int64_t peak = state_->predicted_peak + bm.activations;
   // 'x': the batch alone needs more than the rank may use (no setting of memory_check runs it); 'w': the whole
   // peak does.
   std::string mine;
-  if (peak > budget) {
+  if (checked && peak > budget) {
     std::string lower;
     if (bm.largest_micro_batch > 0) lower = fmt::format("The largest micro-batch predicted to fit with 10 % to spare is {}", bm.largest_micro_batch);
     if (bm.with_checkpointing >= 0) {

@@ -16,11 +16,14 @@
 #include <algorithm>
 #include <filesystem>
 #include <iostream>
+#include <optional>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/estimate.h"
 #include "engine/error.h"
 #include "engine/output.h"
 #include "engine/peft/lora.h"
@@ -174,6 +177,20 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < texts.size(); ++i) hits += texts[i] == eval_prompts[i].response;
       return static_cast<double>(hits) / static_cast<double>(texts.size());
     };
+    // The largest batch (per_device_train_batch_size records of --max_length tokens) against each
+    // rank's memory, checked as the Trainer prepares the model: one that cannot fit ends here.
+    zeal::estimate::RunShape batch;
+    batch.micro_batch = args.per_device_train_batch_size.value_or(8);
+    batch.seq_len = max_length;
+    batch.chunked_loss = cfg.chunked_loss;
+    batch.loss_chunk = cfg.loss_chunk;
+    std::optional<zeal::estimate::ModelShape> shape;
+    try {
+      shape = zeal::estimate::hf_config_shape(model_dir + "/config.json");
+    } catch (const std::runtime_error& e) {  // a config the estimator cannot read still trains
+      engine.print(fmt::format("zeal: the batch's memory is not checked: {}", e.what()));
+    }
+    if (shape) engine.check_batch_memory(*shape, batch);
     trainer.prepare();  // a model engine.init partitioned is usable once prepared
     if (!eval_prompts.empty()) engine.print(fmt::format("exact_match before training: {:.4f}", exact_match()));
     trainer.train();

@@ -30,4 +30,12 @@ awk -v a="$before" -v b="$after" 'BEGIN { exit !(b >= a + 0.5) }' || { echo "FAI
 rc=0
 "$python" tests/examples/causal_lm_peer.py check "$work" 2>&1 | grep -v "Warning\|warn\|Loading" || rc=$?
 [ "$rc" -eq 0 ] || { echo "FAIL: Python could not load zeal's adapter or merged model" >&2; exit 1; }
-echo "PASS: exact match $before -> $after"
+# A batch no rank can hold: refused as the Trainer prepares the model, named, before any step.
+rc=0
+err=$(timeout 120 "$prog" --model_dir "$work/pretrained/merged" --train "$work/train.jsonl" --output_dir "$work/huge" \
+  --per_device_train_batch_size 4000000 --max_length 512 --save_strategy no 2>&1 >/dev/null) || rc=$?
+if [ "$rc" -eq 0 ] || ! grep -q "memory_check: the batch will not fit: rank 0: 4000000 x 512 tokens per micro-step" <<<"$err"; then
+  echo "FAIL: a batch of 4000000 x 512 tokens: exit $rc, said: $(tail -n 3 <<<"$err")" >&2
+  exit 1
+fi
+echo "PASS: exact match $before -> $after; a batch no rank can hold refused"
