@@ -607,6 +607,7 @@ void Engine::build_zero() {
     }
     groups[group_of[i]].params.push_back(all[i]);
     groups[group_of[i]].names.push_back(names[i]);
+    state_->trained_names.insert(names[i]);
   }
   // Frozen parameters and buffers: rank 0's values everywhere (as DDP does); frozen parameters
   // compute in the compute dtype too.

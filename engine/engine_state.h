@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <utility>
 #include <string>
 #include <vector>
@@ -60,13 +61,16 @@ struct Engine::State {
   std::vector<std::unique_ptr<Tracker>> trackers;        // init_trackers, on the main process
   int64_t loader_batch_size = 0;
   bool backward_in_micro_step = false, grads_pending = false;
-  int64_t micro_steps_begun = 0;
+  int64_t micro_steps_begun = 0;  // every micro-step so far (collectives' descriptions, agreement points)
   // memory_check at prepare: this rank's predicted peak before activations and the memory it may
   // use (-1: not checked), for Engine::check_batch_memory.
   int64_t predicted_peak = -1, memory_budget = -1;
   std::string memory_budget_source;
+  // The parameters the optimizer holds (by name), as prepare found them: saved from the optimizer
+  // whatever their requires_grad is at the save (disable_adapter freezes the modules to save).
+  std::set<std::string> trained_names;
   // check_batch_memory called before prepare: run when the model is prepared.
-  std::optional<std::pair<estimate::ModelShape, estimate::RunShape>> batch_check;  // every micro-step so far (collectives' descriptions, agreement points)
+  std::optional<std::pair<estimate::ModelShape, estimate::RunShape>> batch_check;
   int64_t passes_seen = 0;        // backward passes the sharding had ended at the last step
   // engine.init: slices of partitioned parameters (until Stage3 takes them), what it measured.
   std::shared_ptr<zero::InitShards> init_shards;

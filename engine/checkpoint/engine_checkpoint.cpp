@@ -27,6 +27,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <mutex>
 #include <unordered_set>
 
@@ -177,7 +178,10 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
     // hybrid_shard: the other machines hold copies of machine 0's shards; only machine 0 writes them.
     if (state_->replica_index > 0) plan.ranges.clear();
     if (z.stage() < 3 && rank == 0 && options.include_frozen) {
+      // The parameters the optimizer holds are saved from it, whatever their requires_grad says now
+      // (inside disable_adapter() the modules to save are frozen and hold their original values).
       for (auto& [name, p] : frozen_params(*state_->module)) {
+        if (state_->trained_names.count(name)) continue;
         plan.ranges.push_back({name, p.sizes().vec(), 0, p.numel(), p.detach().reshape({-1})});
       }
     }

@@ -527,14 +527,24 @@ TEST(Lora, MergedExportWithoutFrozenWeightsKeepsTheAdaptedOnes) {
     EXPECT_NE(std::string(e.what()).find("does not hold the weight"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(fs::exists(dir + "/out2/model.safetensors"));
-  // Saved inside disable_adapter(): the checkpoint still holds the adapters, and its merged export
-  // is the same as the one saved with them on.
-  zeal::ckpt::consolidate(dir + "/ckpt_disabled", dir + "/out3", {.merged = true});
-  const StFile off = read_st(dir + "/out3/model.safetensors");
-  ASSERT_EQ(off.tensors.size(), full.tensors.size());
-  for (const auto& [k, t] : full.tensors) {
-    ASSERT_TRUE(off.tensors.count(k)) << k;
-    EXPECT_TRUE(at::equal(off.tensors.at(k), t)) << k << ": saved inside disable_adapter(), merged differently";
+}
+
+// A checkpoint saved inside disable_adapter() (while evaluating the base model, say) holds the
+// adapters and the trained modules to save, not their originals: its merged export is the one saved
+// with the adapters on, at stage 3 (units) and stage 1 (frozen weights written from rank 0).
+TEST(Lora, ACheckpointSavedInsideDisableAdapterMergesAsOneSavedOutside) {
+  for (const int stage : {3, 1}) {
+    SCOPED_TRACE(testing::Message() << "stage " << stage);
+    const std::string dir = temp_dir("disabled" + std::to_string(stage));
+    train_lora(stage, 2, dir, false, 2, false, "", /*save_checkpoints=*/true);
+    const StFile full = read_st(dir + "/export_merged/model.safetensors");
+    zeal::ckpt::consolidate(dir + "/ckpt_disabled", dir + "/out", {.merged = true});
+    const StFile off = read_st(dir + "/out/model.safetensors");
+    EXPECT_EQ(off.tensors.size(), full.tensors.size());
+    for (const auto& [k, t] : full.tensors) {
+      ASSERT_TRUE(off.tensors.count(k)) << k;
+      EXPECT_TRUE(at::equal(off.tensors.at(k), t)) << k << ": saved inside disable_adapter(), merged differently";
+    }
   }
 }
 
