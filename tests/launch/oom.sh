@@ -4,6 +4,8 @@
 # - memory_check: error → every rank refuses at prepare, naming the prediction and the limit, fast.
 # - the default (warn) → rank 0 warns with both numbers and the settings that would help, trains,
 #   and is killed by the kernel's OOM killer; the launcher says so, with what the rank held.
+# - a micro-batch whose activations alone exceed the limit (tiny, 2 ranks, stage 3) → both ranks
+#   refuse, whatever memory_check says, and the micro-batch they name trains.
 # Needs root and a writable memory cgroup (v1 or v2); exits 77 (skipped) otherwise.
 #
 # usage: oom.sh ZEAL TRAIN_GPT
@@ -72,23 +74,25 @@ grep -q "failed: rank 0 was killed by the kernel's out-of-memory killer (SIGKILL
 echo "PASS: warned at prepare, and the OOM kill reported as such"
 
 # A micro-batch whose activations alone exceed the limit: refused when the model is prepared, even
-# with memory_check at its default, naming the largest micro-batch predicted to fit with 10 % to
-# spare; that micro-batch trains under the same limit.
+# with memory_check at its default, on both ranks (they share the limit), naming the largest
+# micro-batch predicted to fit with 10 % to spare; that micro-batch trains under the same limit.
 tiny=("$train_gpt" --model tiny --steps 1 --seq_len 128)
 start=$(date +%s)
-in_cgroup "$zeal" launch --num_processes 1 --config_file configs/single_process.yaml --main_process_port 29570 \
+in_cgroup "$zeal" launch --num_processes 2 --config_file configs/zero3.yaml --main_process_port 29570 \
   "${tiny[@]}" --micro_batch 65536 >"$work/batch.log" 2>&1
 status=$?
 took=$(($(date +%s) - start))
 [ $status = 1 ] || fail "a batch over the limit: expected exit status 1, got $status"
 grep -q "memory_check: the batch will not fit: rank 0: 65536 x 128 tokens per micro-step (tiny) are predicted to add [0-9.]* GiB" \
   "$work/batch.log" || fail "the batch's refusal does not name it and its activations"
-grep -q "the memory cgroup's limit of 1.50 GiB" "$work/batch.log" || fail "the batch's refusal does not name the limit"
+grep -q "the memory cgroup's limit of 1.50 GiB, shared by 2 ranks" "$work/batch.log" || fail "the batch's refusal does not name the limit"
+grep -q "^\[rank 1\] train_gpt: memory_check: the batch will not fit" "$work/batch.log" ||
+  fail "rank 1 did not refuse the batch with rank 0 (the verdict is shared)"
 fits=$(grep -o "The largest micro-batch predicted to fit with 10 % to spare is [0-9]*" "$work/batch.log" | head -n 1 | grep -o "[0-9]*$")
 [ -n "$fits" ] && [ "$fits" -gt 1 ] || fail "no micro-batch predicted to fit"
 [ "$took" -lt 60 ] || fail "the batch's refusal took $took s"
 echo "PASS: a batch over the limit refused in $took s; $fits predicted to fit"
 
-in_cgroup "$zeal" launch --num_processes 1 --config_file configs/single_process.yaml --main_process_port 29571 \
+in_cgroup "$zeal" launch --num_processes 2 --config_file configs/zero3.yaml --main_process_port 29571 \
   "${tiny[@]}" --micro_batch "$fits" >"$work/fits.log" 2>&1 || fail "micro-batch $fits (the largest predicted to fit) did not train"
-echo "PASS: micro-batch $fits trains under the limit"
+echo "PASS: micro-batch $fits trains on 2 ranks under the limit"
