@@ -473,7 +473,8 @@ class Engine {
 
   // Bytes this rank holds for the model states, by kind.
   MemoryReport memory() const;
-  // memory_check for a batch (collective; called before prepare, it runs when prepare does): the
+  // memory_check for a batch (collective; called before prepare, it runs when prepare builds the
+  // ZeRO state — a model prepared without an optimizer is never checked): the
   // peak prepare predicted plus what `batch.micro_batch` sequences of `batch.seq_len` tokens add
   // through `model` (zeal::estimate::gpt_shape, hf_config_shape; batch.chunked_loss and loss_chunk
   // as the model computes its loss; the other fields come from the config), against the memory the
