@@ -307,11 +307,18 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
   std::vector<std::string> roots;
   if (!s.nvme_path.empty()) roots.push_back(s.nvme_path);
   if (!s.param_nvme_path.empty() && s.param_nvme_path != s.nvme_path) roots.push_back(s.param_nvme_path);
+  // Only this rank's folders are walked: the other ranks may be removing theirs meanwhile, and a
+  // walk of the whole tree ends at the first folder that vanishes under it.
   for (const std::string& root : roots) {
     std::error_code ec;
-    for (auto it = std::filesystem::recursive_directory_iterator(root, ec); !ec && it != std::filesystem::end(it); it.increment(ec)) {
-      if (it->is_regular_file() && it->path().extension() == ".swp" && it->path().parent_path().filename() == "rank" + me)
-        swap_bytes += static_cast<double>(it->file_size());
+    for (auto run = std::filesystem::directory_iterator(root, ec); !ec && run != std::filesystem::end(run); run.increment(ec)) {
+      std::error_code fe;
+      for (auto f = std::filesystem::directory_iterator(run->path() / ("rank" + me), fe); !fe && f != std::filesystem::end(f);
+           f.increment(fe)) {
+        std::error_code se;
+        const auto n = f->path().extension() == ".swp" ? std::filesystem::file_size(f->path(), se) : 0;
+        if (!se) swap_bytes += static_cast<double>(n);
+      }
     }
   }
   ::malloc_trim(0);

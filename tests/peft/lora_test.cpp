@@ -545,6 +545,7 @@ TEST(Lora, ACheckpointSavedInsideDisableAdapterMergesAsOneSavedOutside) {
       ASSERT_TRUE(off.tensors.count(k)) << k;
       EXPECT_TRUE(at::equal(off.tensors.at(k), t)) << k << ": saved inside disable_adapter(), merged differently";
     }
+    fs::remove_all(dir);
   }
 }
 
