@@ -190,16 +190,21 @@ BatchMemory predict_batch_memory(const estimate::ModelShape& m, const estimate::
   r.loss_chunk = batch.loss_chunk;
   // The growth of the prediction from one token to the batch: what the batch's tensors add, the
   // model's own parts cancelling (prepare predicted those from the prepared module itself).
-  auto grows = [&](const estimate::RunShape& shape, int64_t micro) {
-    estimate::RunShape big = shape, one = shape;
-    big.micro_batch = micro;
-    big.seq_len = batch.seq_len;
+  auto one_token = [&](const estimate::RunShape& shape) {
+    estimate::RunShape one = shape;
     one.micro_batch = 1;
     one.seq_len = 1;
-    return std::max<int64_t>(0, estimate::predict(m, big).host_peak - estimate::predict(m, one).host_peak);
+    return estimate::predict(m, one).host_peak;
+  };
+  const int64_t base = one_token(r);  // once, not at every step of the bisection below
+  auto grows = [&](const estimate::RunShape& shape, int64_t micro, int64_t from) {
+    estimate::RunShape big = shape;
+    big.micro_batch = micro;
+    big.seq_len = batch.seq_len;
+    return std::max<int64_t>(0, estimate::predict(m, big).host_peak - from);
   };
   BatchMemory out;
-  out.activations = grows(r, batch.micro_batch);
+  out.activations = grows(r, batch.micro_batch, base);
   if (budget >= 0) {
     // The largest micro-batch that fits with 10 % of the budget to spare (the prediction's error is a
     // few per cent), by bisection.
@@ -207,7 +212,7 @@ BatchMemory predict_batch_memory(const estimate::ModelShape& m, const estimate::
     int64_t lo = 0, hi = batch.micro_batch;
     while (lo < hi) {
       const int64_t mid = lo + (hi - lo + 1) / 2;
-      if (prepared_peak + grows(r, mid) <= spare) lo = mid;
+      if (prepared_peak + grows(r, mid, base) <= spare) lo = mid;
       else hi = mid - 1;
     }
     out.largest_micro_batch = lo;
@@ -216,7 +221,7 @@ BatchMemory predict_batch_memory(const estimate::ModelShape& m, const estimate::
     estimate::RunShape ck = r;
     ck.activation_checkpointing = true;
     ck.checkpoint_interval = 1;
-    out.with_checkpointing = prepared_peak + grows(ck, batch.micro_batch);
+    out.with_checkpointing = prepared_peak + grows(ck, batch.micro_batch, one_token(ck));
   }
   return out;
 }
