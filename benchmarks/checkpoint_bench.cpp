@@ -6,7 +6,9 @@
 // interleaved rounds; the page cache is
 // dropped before every read (where this process may). Also how long an asynchronous save blocks
 // the training loop (save_state with .async: the copy into staging) against the whole save, and
-// the peak resident set of `zeal consolidate` on that checkpoint against the model's size. A
+// the floor of that blocking: the same bytes copied by memcpy on both ranks at once, into memory
+// already faulted in and into fresh memory. And the peak resident set of `zeal consolidate` on that
+// checkpoint against the model's size. A
 // save's background work (writes, removing the checkpoint it replaced) ends before the next
 // contender starts.
 //
@@ -22,6 +24,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -39,6 +42,7 @@
 #include "engine/runtime/spawn.h"
 #include "engine/zero/sharded.h"
 #include "engine/output.h"
+#include "offload/prefault.h"
 
 namespace {
 
@@ -157,6 +161,12 @@ int main(int argc, char** argv) {
           grown[what] = std::max(grown[what], static_cast<double>(zeal::detail::resident_peak_bytes()) - before);
           return t;
         };
+        // The copy's floor: 512 MiB per rank copied by memcpy on both ranks at once, into memory already
+        // faulted in (a kept staging's case) and into fresh memory (FreshBuffer, as staging takes it).
+        constexpr int64_t kCopy = int64_t{512} << 20;
+        zeal::offload::FreshBuffer copy_src(kCopy), copy_dst(kCopy);
+        std::memset(copy_src.data(), 1, kCopy);
+        std::memset(copy_dst.data(), 2, kCopy);
         std::vector<zeal_bench::Contender> cs{
             {"zeal save",
              [&] {
@@ -196,6 +206,15 @@ int main(int argc, char** argv) {
                return state_bytes /
                       measured("load_kept", [&] { engine.load_state(ckpt, {.memory_budget = int64_t{1} << 50}); });
              }},
+            {"memcpy into kept memory",
+             [&] { return kWorld * kCopy / timed([&] { std::memcpy(copy_dst.data(), copy_src.data(), kCopy); }); }},
+            {"memcpy into fresh memory",
+             [&] {
+               return kWorld * kCopy / timed([&] {
+                 zeal::offload::FreshBuffer fresh(kCopy);
+                 std::memcpy(fresh.data(), copy_src.data(), kCopy);
+               });
+             }},
             {"fio read",
              [&] {
                if (main) drop_caches();
@@ -224,10 +243,16 @@ int main(int argc, char** argv) {
           out["zeal_async_save_kept_blocking_bytes_per_s"] = s[3].values;
           out["zeal_load_bytes_per_s"] = s[4].values;
           out["zeal_load_kept_bytes_per_s"] = s[5].values;
-          out["fio_read_bytes_per_s"] = s[6].values;
+          out["memcpy_kept_bytes_per_s"] = s[6].values;
+          out["memcpy_fresh_bytes_per_s"] = s[7].values;
+          out["fio_read_bytes_per_s"] = s[8].values;
           zeal_bench::put_ratio(out, "save_ratio_vs_fio", zeal_bench::ratio(s[0], s[1]));
-          zeal_bench::put_ratio(out, "load_ratio_vs_fio", zeal_bench::ratio(s[4], s[6]));
-          zeal_bench::put_ratio(out, "load_kept_ratio_vs_fio", zeal_bench::ratio(s[5], s[6]));
+          zeal_bench::put_ratio(out, "load_ratio_vs_fio", zeal_bench::ratio(s[4], s[8]));
+          zeal_bench::put_ratio(out, "load_kept_ratio_vs_fio", zeal_bench::ratio(s[5], s[8]));
+          // The floor of an asynchronous save's blocking: the state copied at memory speed, as a
+          // fraction of a whole save, round by round.
+          zeal_bench::put_ratio(out, "copy_floor_kept_vs_save", zeal_bench::ratio(s[0], s[6]));
+          zeal_bench::put_ratio(out, "copy_floor_fresh_vs_save", zeal_bench::ratio(s[0], s[7]));
           for (const auto& [k, v] : grown) out["rank0_rss_growth_bytes"][k] = v;
           out["rank0_rss_before_bytes"] = static_cast<double>(zeal::detail::resident_bytes());
           zeal_bench::put_ratio(out, "async_save_blocking_vs_save", zeal_bench::ratio(s[0], s[2]));
@@ -287,6 +312,11 @@ int main(int argc, char** argv) {
     std::printf("| async save, staging kept | blocks %.2f s (%.2f–%.2f) | whole save %.2f s | blocking/whole %s |\n",
                 state_bytes / k.median(), state_bytes / k.max(), state_bytes / k.min(), state_bytes / full.median(),
                 zeal_bench::ratio(full, k).text().c_str());
+    const auto mk = sv_("memcpy_kept_bytes_per_s"), mf = sv_("memcpy_fresh_bytes_per_s");
+    std::printf("| copy floor (memcpy, both ranks at once) | into kept memory %.1f GB/s: the state in %.2f s, %s of a whole "
+                "save | into fresh memory %.1f GB/s: %.2f s, %s |\n",
+                mk.median() / 1e9, state_bytes / mk.median(), zeal_bench::ratio(full, mk).text().c_str(),
+                mf.median() / 1e9, state_bytes / mf.median(), zeal_bench::ratio(full, mf).text().c_str());
   }
   std::printf("| consolidate (fp32) | %.1f s, peak resident set %.0f MB vs the model's %.0f MB: %.3f | exit %d |\n",
               consolidate_s, peak / 1e6, model_bytes / 1e6, peak / model_bytes,

@@ -1,7 +1,8 @@
 // Faulting fresh host memory in ahead of its use, on a thread of its own: a buffer the disk is
 // about to fill (or a copy about to write) costs a page fault and a cleared page every 4 KiB when
 // first touched — on virtual machines several times the cost of the copy itself. A Prefaulter
-// walks its buffers in order while the caller's I/O runs on the buffers before them. No LibTorch.
+// walks its buffers in order while the caller's I/O runs on the buffers before them. A FreshBuffer
+// asks for transparent huge pages (MADV_HUGEPAGE): one fault per 2 MiB instead of 512. No LibTorch.
 #pragma once
 
 #include <atomic>
@@ -15,6 +16,26 @@ namespace zeal::offload {
 // Faults in the whole pages inside [p, p + n) (MADV_POPULATE_WRITE, Linux 5.14; older kernels: no
 // effect). Never stores: another thread may be writing the buffer meanwhile.
 void fault_in(char* p, int64_t n);
+
+// `bytes` of fresh host memory, not zeroed by the caller (the kernel's pages are), aligned to 2 MiB
+// and, where the kernel offers transparent huge pages to those who ask (enabled: always or madvise),
+// backed by them: a first touch then costs one fault and one cleared 2 MiB page instead of 512 faults
+// (5.7-6.0 GB/s against 2.1 GB/s for a copy into fresh memory on a 2-core virtual machine). For
+// buffers used once and large (an asynchronous save's staging, a load's kept reads); zeal::Error
+// naming the size when the system refuses. ZEAL_HUGE_PAGES=0 (or off) keeps them on small pages.
+class FreshBuffer {
+ public:
+  explicit FreshBuffer(int64_t bytes);
+  ~FreshBuffer();
+  FreshBuffer(const FreshBuffer&) = delete;
+  FreshBuffer& operator=(const FreshBuffer&) = delete;
+  char* data() const { return data_; }
+  int64_t size() const { return size_; }
+
+ private:
+  char* data_ = nullptr;
+  int64_t size_ = 0, mapped_ = 0;
+};
 
 class Prefaulter {
  public:

@@ -242,7 +242,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
                                                    automatic, total_limit = options.total_limit, timeout]() mutable {
         try {
           while (Staging::Chunk* ch = staging->next()) {
-            w->append(ch->bytes.get(), ch->fill);
+            w->append(ch->bytes.data(), ch->fill);
             staging->done(ch);
           }
           mine["file"] = file_record(file, w->finish());

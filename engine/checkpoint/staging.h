@@ -15,6 +15,7 @@
 
 #include "engine/checkpoint/safetensors.h"
 #include "engine/error.h"
+#include "offload/prefault.h"
 
 namespace zeal::ckpt {
 
@@ -35,8 +36,8 @@ class WriterSink : public Sink {
 };
 
 struct StagingChunk {
-  explicit StagingChunk(int64_t n) : bytes(new char[static_cast<size_t>(n)]), size(n) {}  // not zeroed
-  std::unique_ptr<char[]> bytes;
+  explicit StagingChunk(int64_t n) : bytes(n), size(n) {}  // huge pages where the system offers them
+  offload::FreshBuffer bytes;
   int64_t size = 0;
   int64_t fill = 0;
 };
@@ -101,7 +102,7 @@ class Staging : public Sink {
     while (n > 0) {
       if (!cur_) cur_ = take();
       const int64_t k = std::min(n, chunk_ - cur_->fill);
-      std::memcpy(cur_->bytes.get() + cur_->fill, p, static_cast<size_t>(k));
+      std::memcpy(cur_->bytes.data() + cur_->fill, p, static_cast<size_t>(k));
       cur_->fill += k;
       p += k;
       n -= k;

@@ -6,6 +6,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -84,3 +88,55 @@ TEST(Prefault, StoppingEarlyJoinsAndLeavesTheRestUntouched) {
 }
 
 }  // namespace
+
+namespace {
+
+// The VMA holding `p` in /proc/self/smaps: its "THPeligible:" value (-1 when absent).
+int thp_eligible(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  while (std::getline(smaps, line)) {
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find('-')) {
+      inside = lo <= at && at < hi;
+    } else if (inside && line.rfind("THPeligible:", 0) == 0) {
+      return std::stoi(line.substr(12));
+    }
+  }
+  return -1;
+}
+
+std::string thp_mode() {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string s;
+  std::getline(f, s);
+  const auto a = s.find('['), b = s.find(']');
+  return a == std::string::npos || b == std::string::npos ? "" : s.substr(a + 1, b - a - 1);
+}
+
+}  // namespace
+
+TEST(Prefault, AFreshBufferIsAlignedWritableAndAsksForHugePages) {
+  if (const char* v = std::getenv("ZEAL_HUGE_PAGES"); v && (std::string(v) == "0" || std::string(v) == "off")) {
+    GTEST_SKIP() << "ZEAL_HUGE_PAGES=" << v;
+  }
+  const int64_t n = (int64_t{5} << 20) + 12345;  // not a whole number of pages
+  zeal::offload::FreshBuffer b(n);
+  EXPECT_EQ(b.size(), n);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data()) % (2 << 20), 0u) << "whole 2 MiB pages start at the buffer";
+  for (int64_t i = 0; i < n; i += 4096) EXPECT_EQ(b.data()[i], 0) << i;  // the kernel's pages, cleared
+  for (int64_t i = 0; i < n; ++i) b.data()[i] = static_cast<char>(i * 13 + 1);
+  int64_t changed = 0;
+  for (int64_t i = 0; i < n; ++i) changed += b.data()[i] != static_cast<char>(i * 13 + 1);
+  EXPECT_EQ(changed, 0);
+  const std::string mode = thp_mode();
+  if (mode != "always" && mode != "madvise") GTEST_SKIP() << "transparent huge pages are '" << mode << "' here";
+  const int eligible = thp_eligible(b.data());
+  if (eligible < 0) GTEST_SKIP() << "this kernel's smaps has no THPeligible";
+  EXPECT_EQ(eligible, 1) << "the buffer's mapping may not use huge pages (THP " << mode << ")";
+  zeal::offload::FreshBuffer small(100);  // under 2 MiB: page-aligned, usable
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data()) % 4096, 0u);
+  small.data()[99] = 1;
+}
