@@ -828,6 +828,9 @@ void Engine::backward(const at::Tensor& loss) {
     w.backward_start = std::chrono::steady_clock::now();
     if (w.marked) w.forward += std::chrono::duration<double, std::milli>(w.backward_start - w.mark).count();
   }
+  // The backward that completes the gradients: the NVMe-offloaded step's first windows of master,
+  // m and v start coming in now, behind the backward (they do not depend on the gradients).
+  if (sync_) state_->zero->prefetch_step_state();
   double factor = 1.0 / static_cast<double>(accumulation_steps_);
   if (state_->scaler) factor *= state_->scaler->scale();
   try {

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <future>
 
 #include "engine/error.h"
@@ -282,11 +283,50 @@ void ShardStep::offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::
 }
 
 ShardStep::~ShardStep() {
+  if (prefetch_.valid()) prefetch_.wait();
   if (pending_write_.valid()) pending_write_.wait();  // its error, if any, has no one left to hear it
   gwriter_.reset();                                   // waits for the gradient writes, likewise
 }
 
+void ShardStep::prefetch_state() {
+  if (!swap_ || total_ == 0 || prefetch_.valid() || prefetched_ > 0 || !write_error_.empty()) return;
+  // The last window's write-back goes out of one of the sets: only once it is done (its result is
+  // left for finish_writes to collect).
+  if (pending_write_.valid() && pending_write_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return;
+  const int64_t windows = (total_ + window_ - 1) / window_;
+  const int count = static_cast<int>(std::min<int64_t>(sets_, windows));
+  struct Slice {
+    void* buf;
+    int64_t bytes, off;
+  };
+  std::vector<Slice> slices;  // what the task needs, copied (this object may move)
+  for (int i = 0; i < count; ++i) {
+    const int64_t a = i * window_, bytes = round_up(std::min(window_, total_ - a) * 4, offload::kIoAlign);
+    slices.push_back({win_master_[i].data_ptr(), bytes, a * 4});
+    slices.push_back({win_m_[i].data_ptr(), bytes, region_bytes_ + a * 4});
+    slices.push_back({win_v_[i].data_ptr(), bytes, 2 * region_bytes_ + a * 4});
+  }
+  prefetch_ = std::async(std::launch::async, [file = swap_, io = writer_.get(), slices, count] {
+    try {
+      for (const Slice& s : slices) file->read(*io, s.buf, s.bytes, s.off);
+      return count;
+    } catch (const std::exception&) {
+      return 0;  // the step reads them again and reports what fails then
+    }
+  });
+}
+
+void ShardStep::finish_prefetch() {
+  if (prefetch_.valid()) prefetched_ = prefetch_.get();
+}
+
+int ShardStep::prefetched_windows() {
+  finish_prefetch();
+  return prefetched_;
+}
+
 void ShardStep::finish_writes() {
+  finish_prefetch();  // its reads use the writer's engine, and the state's files
   if (!write_error_.empty()) throw Error(write_error_);
   if (!pending_write_.valid()) return;
   detail::ScopedWait waiting(detail::WaitKind::kWrite);
@@ -311,10 +351,15 @@ void ShardStep::apply_nvme(double inv_scale) {
   // Window a's three slices in and out of buffer set k: reads through the file's engine, writes
   // through the writer's, each engine on one thread at a time.
   auto io_bytes = [&](int64_t a) { return round_up(std::min(window_, total_ - a) * 4, offload::kIoAlign); };
+  // The first prefetched_ windows' master, m and v are in their sets already (prefetch_state).
+  const int64_t ready = prefetched_;
+  prefetched_ = 0;  // whatever happens below, the sets hold other windows afterwards
   auto read = [&](int64_t a, int k) {
-    swap_->read(win_master_[k].data_ptr(), io_bytes(a), a * 4);
-    swap_->read(win_m_[k].data_ptr(), io_bytes(a), region_bytes_ + a * 4);
-    swap_->read(win_v_[k].data_ptr(), io_bytes(a), 2 * region_bytes_ + a * 4);
+    if (a / window_ >= ready) {
+      swap_->read(win_master_[k].data_ptr(), io_bytes(a), a * 4);
+      swap_->read(win_m_[k].data_ptr(), io_bytes(a), region_bytes_ + a * 4);
+      swap_->read(win_v_[k].data_ptr(), io_bytes(a), 2 * region_bytes_ + a * 4);
+    }
     if (gswap_) read_grad_window(a, std::min(window_, total_ - a), k);
   };
   auto write = [&](int64_t a, int k) {
@@ -590,6 +635,7 @@ void ShardStep::state_io(const std::string& what, int64_t index, int64_t n, floa
     }
   };
   if (swap_) {
+    prefetched_ = 0;  // the bounce buffer below is a set's: a prefetched window goes
     const int r = what == "master" ? 0 : what == "exp_avg" ? 1 : what == "exp_avg_sq" ? 2 : -1;
     if (r < 0) throw Error("checkpoint: NVMe-offloaded optimizer state has no '" + what + "'");
     // Through one window buffer (no step runs: any is free), whole pages of the region at a time:

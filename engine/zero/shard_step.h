@@ -120,6 +120,16 @@ class ShardStep {
     std::function<void(size_t)> enter, leave;
   };
   void set_piece_hooks(PieceHooks hooks) { hooks_ = std::move(hooks); }
+  // NVMe offload: starts reading the master, m and v of the step's first windows (as many as there
+  // are buffer sets) into their sets on a thread of its own, so that the next apply finds them there
+  // instead of waiting for the disk after the backward (they do not depend on the gradients; the
+  // engine calls it as the backward that completes the gradients begins). Costs no memory: the sets
+  // are there either way. Nothing is started while the previous step's last write-back is still in
+  // flight, or with the state elsewhere. Every access to the state waits for the reads first; one that
+  // writes the state (a load, a changed master) drops what they brought. Bit-identical steps either way.
+  void prefetch_state();
+  // Leading windows whose master, m and v the next apply takes from the sets (the reads finished).
+  int prefetched_windows();
   // Gradient swap (after offload_to_nvme; DeepSpeed's ZeRO-Infinity swaps gradients out with the
   // optimizer state): the reduced gradients leave host memory for `file`, each piece in a region of
   // its own (aligned for O_DIRECT), in the accumulation dtype. The pieces' `grad` become meta tensors
@@ -214,6 +224,11 @@ class ShardStep {
   // the old write) before it replaces them.
   std::future<void> pending_write_;
   std::string write_error_;  // set when that write failed: the state on disk is stale from then on
+  // prefetch_state's reads (through writer_, which nothing else uses meanwhile): the number of
+  // leading windows brought in, 0 when a read failed (apply then reads them itself, and says why).
+  std::future<int> prefetch_;
+  int prefetched_ = 0;       // leading windows valid in their sets for the next apply
+  void finish_prefetch();
   PieceHooks hooks_;
   std::shared_ptr<offload::SwapFile> swap_;  // NVMe offload
   int64_t window_ = 0, region_bytes_ = 0;

@@ -82,6 +82,11 @@ class Sharding {
     for (ShardStep* s : shard_steps()) n += s->disk_bytes();
     return n;
   }
+  // NVMe offload: the next step's first windows of optimizer state start coming in (ShardStep::
+  // prefetch_state); called as the backward that completes the gradients begins.
+  void prefetch_step_state() {
+    for (ShardStep* s : shard_steps()) s->prefetch_state();
+  }
 
  protected:
   explicit Sharding(Communicator& comm) : comm_(comm) {}

@@ -131,5 +131,73 @@ TEST(ShardStepNvme, SwappedGradientsAccumulateAndStepAsInMemory) {
   fs::remove_all(dir);
 }
 
+// prefetch_state (the engine calls it as the last backward before a step begins): the first windows'
+// master, m and v come into their buffer sets ahead of apply, which then reads only the windows after
+// them through the file's engine (its request count shows it), and steps to the in-memory bits. A
+// state access between the prefetch and the step (a checkpoint's read, through a set as its bounce
+// buffer; a load's write, which changes the state) drops what was prefetched. One, two and three
+// buffer sets; one window and five.
+TEST(ShardStepNvme, PrefetchedWindowsStepToTheSameBitsAndAStateAccessDropsThem) {
+  constexpr int64_t n = 5 << 20;
+  const std::string dir = (fs::temp_directory_path() / ("zeal_shard_step_prefetch_" + std::to_string(::getpid()))).string();
+  fs::create_directories(dir);
+  optim::Hyper h;
+  h.weight_decay = 0.01;
+  for (const int64_t window : {n, n / 5})
+    for (const int sets : {3, 2, 1}) {
+      SCOPED_TRACE(fmt::format("window {}, {} buffer sets", window, sets));
+      at::manual_seed(11);
+      const at::Tensor init = at::randn({n});
+      at::Tensor grad_ref = at::zeros({n}), grad = at::zeros({n});
+      at::Tensor out_ref = init.clone(), out = init.clone();
+      ShardStep ref(init.clone(), optim::make_fused_adamw(h), {{0, grad_ref, out_ref}});
+      ShardStep step(init.clone(), optim::make_fused_adamw(h), {{0, grad, out}});
+      auto sdir = std::make_shared<offload::SwapDir>(dir, offload::new_run_id(), 0);
+      offload::IoOptions o;
+      std::shared_ptr<offload::IoEngine> io = offload::make_io_engine(o);
+      step.offload_to_nvme(std::make_shared<offload::HostArena>(false),
+                           std::make_shared<offload::SwapFile>(sdir, io, "optimizer.swp"), window, sets);
+      const int64_t windows = (n + window - 1) / window;
+      const int expect = static_cast<int>(std::min<int64_t>(sets, windows));
+      // Requests apply reads through the file's engine when the first `skip` windows are in already.
+      auto reads_after = [&](int64_t skip) {
+        int64_t r = 0;
+        for (int64_t w = skip; w < windows; ++w) {
+          const int64_t bytes = std::min(window, n - w * window) * 4;
+          r += 3 * ((bytes + o.block_size - 1) / o.block_size);
+        }
+        return r;
+      };
+      std::vector<float> buf(n);
+      for (int s = 0; s < 5; ++s) {
+        const at::Tensor g = at::randn({n}) * 1e-2;
+        grad_ref.copy_(g), grad.copy_(g);
+        step.finish_writes();  // the last window's write-back done: the prefetch may start
+        step.prefetch_state();
+        if (s == 2) {  // a checkpoint reads the state between the prefetch and the step
+          step.read_state("exp_avg", 0, n, buf.data());
+        } else if (s == 3) {  // a load writes it: both steps take the same new master
+          step.read_state("master", 0, n, buf.data());
+          for (float& x : buf) x *= 0.5f;
+          step.write_state("master", 0, n, buf.data());
+          ref.write_state("master", 0, n, buf.data());
+        }
+        const int in = step.prefetched_windows();
+        EXPECT_EQ(in, s == 2 || s == 3 ? 0 : expect) << "step " << s;
+        const int64_t before = io->requests();
+        ref.apply(1e-3, 1.0);
+        step.apply(1e-3, 1.0);
+        EXPECT_EQ(io->requests() - before, reads_after(in)) << "step " << s;
+        ASSERT_TRUE(at::equal(out, out_ref)) << "step " << s;
+      }
+      for (const char* what : {"master", "exp_avg", "exp_avg_sq"}) {
+        step.read_state(what, 0, n, buf.data());
+        EXPECT_TRUE(at::equal(at::from_blob(buf.data(), {n}), at::from_blob(const_cast<float*>(ref.host_state(what, 0, n)), {n})))
+            << what;
+      }
+    }
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace zeal::zero
