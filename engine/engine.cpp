@@ -830,7 +830,13 @@ void Engine::backward(const at::Tensor& loss) {
   }
   // The backward that completes the gradients: the NVMe-offloaded step's first windows of master,
   // m and v start coming in now, behind the backward (they do not depend on the gradients).
-  if (sync_) state_->zero->prefetch_step_state();
+  if (sync_) {
+    try {
+      state_->zero->prefetch_step_state();
+    } catch (const std::exception&) {
+      // (no thread to read with: the step reads them itself)
+    }
+  }
   double factor = 1.0 / static_cast<double>(accumulation_steps_);
   if (state_->scaler) factor *= state_->scaler->scale();
   try {
@@ -1274,6 +1280,10 @@ Engine::FetchCounts Engine::fetch_counts() const {
     return {s3->fetch().gathers(), s3->fetch().prefetched(), s3->fetch().retraced()};
   }
   return {};
+}
+
+int64_t Engine::optimizer_windows_read_ahead() const {
+  return state_->zero ? state_->zero->optimizer_windows_read_ahead() : 0;
 }
 
 Engine::DiskReads Engine::param_disk_reads() const {

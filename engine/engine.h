@@ -456,6 +456,9 @@ class Engine {
     int64_t ahead = 0, waited = 0;
   };
   DiskReads param_disk_reads() const;
+  // offload_optimizer nvme: windows of optimizer state (master, m, v) the steps so far found read
+  // while the backward ran, instead of reading them after it (docs/offload.md).
+  int64_t optimizer_windows_read_ahead() const;
   int zero_stage() const;
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   template <class M>

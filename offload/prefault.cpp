@@ -63,6 +63,8 @@ FreshBuffer::FreshBuffer(int64_t bytes) {
     const int64_t tail = (base + mapped_ + over) - (aligned + mapped_);
     if (tail > 0) ::munmap(aligned + mapped_, static_cast<size_t>(tail));
     (void)::madvise(aligned, static_cast<size_t>(mapped_), MADV_HUGEPAGE);  // no effect where THP is off
+  } else if (mapped_ >= kHuge) {
+    (void)::madvise(aligned, static_cast<size_t>(mapped_), MADV_NOHUGEPAGE);  // ZEAL_HUGE_PAGES=0, THP "always"
   }
   data_ = aligned;
 }

@@ -17,12 +17,13 @@ namespace zeal::offload {
 // effect). Never stores: another thread may be writing the buffer meanwhile.
 void fault_in(char* p, int64_t n);
 
-// `bytes` of fresh host memory, not zeroed by the caller (the kernel's pages are), aligned to 2 MiB
-// and, where the kernel offers transparent huge pages to those who ask (enabled: always or madvise),
-// backed by them: a first touch then costs one fault and one cleared 2 MiB page instead of 512 faults
-// (5.7-6.0 GB/s against 2.1 GB/s for a copy into fresh memory on a 2-core virtual machine). For
-// buffers used once and large (an asynchronous save's staging, a load's kept reads); zeal::Error
-// naming the size when the system refuses. ZEAL_HUGE_PAGES=0 (or off) keeps them on small pages.
+// `bytes` of fresh host memory (the kernel's cleared pages), page-aligned; from 2 MiB up aligned to
+// 2 MiB and, where the kernel offers transparent huge pages to those who ask (enabled: always or
+// madvise), backed by them: a first touch then costs one fault and one cleared 2 MiB page instead of
+// 512 faults (5.1-6.0 GB/s against 2.1 GB/s for a copy into fresh memory on a 2-core virtual
+// machine, once the host backs the blocks). For large buffers used once (an asynchronous save's
+// staging); zeal::Error naming the size when the system refuses. ZEAL_HUGE_PAGES=0 (or off) keeps
+// them on small pages (MADV_NOHUGEPAGE, also where THP is "always").
 class FreshBuffer {
  public:
   explicit FreshBuffer(int64_t bytes);

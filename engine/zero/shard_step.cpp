@@ -311,13 +311,23 @@ void ShardStep::prefetch_state() {
       for (const Slice& s : slices) file->read(*io, s.buf, s.bytes, s.off);
       return count;
     } catch (const std::exception&) {
-      return 0;  // the step reads them again and reports what fails then
+      return -1;  // the step reads them again and reports what fails then
     }
   });
 }
 
 void ShardStep::finish_prefetch() {
-  if (prefetch_.valid()) prefetched_ = prefetch_.get();
+  if (!prefetch_.valid()) return;
+  prefetched_ = prefetch_.get();
+  if (prefetched_ >= 0) return;
+  // A failed read may have left requests of the writer's engine unfinished: the writes get an
+  // engine of their own again, with the sets registered.
+  prefetched_ = 0;
+  writer_ = offload::make_io_engine(swap_->io().options(), std::string(swap_->io().kind()) == "threads");
+  for (int k = 0; k < sets_; ++k) {
+    for (const at::Tensor* t : {&win_master_[k], &win_m_[k], &win_v_[k]})
+      writer_->register_buffer(t->data_ptr(), round_up(window_ * 4, offload::kIoAlign));
+  }
 }
 
 int ShardStep::prefetched_windows() {
@@ -354,6 +364,7 @@ void ShardStep::apply_nvme(double inv_scale) {
   // The first prefetched_ windows' master, m and v are in their sets already (prefetch_state).
   const int64_t ready = prefetched_;
   prefetched_ = 0;  // whatever happens below, the sets hold other windows afterwards
+  windows_read_ahead_ += ready;
   auto read = [&](int64_t a, int k) {
     if (a / window_ >= ready) {
       swap_->read(win_master_[k].data_ptr(), io_bytes(a), a * 4);

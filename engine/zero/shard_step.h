@@ -130,6 +130,8 @@ class ShardStep {
   void prefetch_state();
   // Leading windows whose master, m and v the next apply takes from the sets (the reads finished).
   int prefetched_windows();
+  // Windows the steps so far took from the sets instead of the disk (prefetch_state).
+  int64_t windows_read_ahead() const { return windows_read_ahead_; }
   // Gradient swap (after offload_to_nvme; DeepSpeed's ZeRO-Infinity swaps gradients out with the
   // optimizer state): the reduced gradients leave host memory for `file`, each piece in a region of
   // its own (aligned for O_DIRECT), in the accumulation dtype. The pieces' `grad` become meta tensors
@@ -225,9 +227,10 @@ class ShardStep {
   std::future<void> pending_write_;
   std::string write_error_;  // set when that write failed: the state on disk is stale from then on
   // prefetch_state's reads (through writer_, which nothing else uses meanwhile): the number of
-  // leading windows brought in, 0 when a read failed (apply then reads them itself, and says why).
+  // leading windows brought in, -1 when a read failed (apply then reads them itself and says why; the writes get a new engine).
   std::future<int> prefetch_;
   int prefetched_ = 0;       // leading windows valid in their sets for the next apply
+  int64_t windows_read_ahead_ = 0;
   void finish_prefetch();
   PieceHooks hooks_;
   std::shared_ptr<offload::SwapFile> swap_;  // NVMe offload

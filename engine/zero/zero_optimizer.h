@@ -87,6 +87,11 @@ class Sharding {
   void prefetch_step_state() {
     for (ShardStep* s : shard_steps()) s->prefetch_state();
   }
+  int64_t optimizer_windows_read_ahead() {
+    int64_t n = 0;
+    for (ShardStep* s : shard_steps()) n += s->windows_read_ahead();
+    return n;
+  }
 
  protected:
   explicit Sharding(Communicator& comm) : comm_(comm) {}

@@ -332,7 +332,7 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
                                               double(fetches.prefetched), double(fetches.retraced),
                                               double(mem.offload_host), double(mem.offload_disk),
                                               double(disk_reads.ahead), double(disk_reads.waited), swap_bytes,
-                                              resident},
+                                              resident, double(engine.optimizer_windows_read_ahead())},
                           at::kDouble));
   if (engine.is_main_process()) {
     write_tensor(dir + "/losses", at::tensor(losses, at::kDouble));

@@ -166,6 +166,10 @@ TEST_P(OffloadNvme, TrainsBitIdenticalToNoOffload) {
     EXPECT_GE(disk, 3 * region + owned * 4) << "rank " << r;
     EXPECT_LT(disk, 3 * region + owned * 4 + 16 * 4096) << "rank " << r;
     EXPECT_EQ(off.memory[r][3].item<double>(), 0) << "rank " << r << ": optimizer state held in memory";
+    // The first windows of each step came in while its last backward ran (the first step's always:
+    // no write-back is in flight before it).
+    EXPECT_GT(off.memory[r][15].item<double>(), 0) << "rank " << r << ": no optimizer window was read ahead";
+    EXPECT_EQ(plain.memory[r][15].item<double>(), 0) << "rank " << r;
     EXPECT_EQ(off.memory[r][1].item<double>(), 0) << "rank " << r << ": gradients held in memory";
     EXPECT_GT(plain.memory[r][1].item<double>(), 0) << "rank " << r << ": gradients without offload";
     // Each set holds master, m, v and gradient windows (16 bytes per element) and the gradients'

@@ -131,12 +131,12 @@ TEST(Prefault, AFreshBufferIsAlignedWritableAndAsksForHugePages) {
   int64_t changed = 0;
   for (int64_t i = 0; i < n; ++i) changed += b.data()[i] != static_cast<char>(i * 13 + 1);
   EXPECT_EQ(changed, 0);
+  zeal::offload::FreshBuffer small(100);  // under 2 MiB: page-aligned, usable
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data()) % 4096, 0u);
+  small.data()[99] = 1;
   const std::string mode = thp_mode();
   if (mode != "always" && mode != "madvise") GTEST_SKIP() << "transparent huge pages are '" << mode << "' here";
   const int eligible = thp_eligible(b.data());
   if (eligible < 0) GTEST_SKIP() << "this kernel's smaps has no THPeligible";
   EXPECT_EQ(eligible, 1) << "the buffer's mapping may not use huge pages (THP " << mode << ")";
-  zeal::offload::FreshBuffer small(100);  // under 2 MiB: page-aligned, usable
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data()) % 4096, 0u);
-  small.data()[99] = 1;
 }
