@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <memory>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -24,28 +25,42 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// One piece of n elements stepped twice from the same random start (seed): `ref` in memory, `step`
+// with its state on NVMe in `dir` (windows of `window` elements, `sets` buffer sets), both AdamW.
+struct StepPair {
+  at::Tensor grad_ref, grad, out_ref, out;
+  std::unique_ptr<ShardStep> ref, step;
+  std::shared_ptr<offload::IoEngine> io;  // the swap file's engine (apply's reads)
+  offload::IoOptions options;
+  StepPair(const std::string& dir, int64_t n, int64_t window, int sets, uint64_t seed) {
+    optim::Hyper h;
+    h.weight_decay = 0.01;
+    at::manual_seed(seed);
+    const at::Tensor init = at::randn({n});
+    grad_ref = at::zeros({n}), grad = at::zeros({n});
+    out_ref = init.clone(), out = init.clone();
+    ref = std::make_unique<ShardStep>(init.clone(), optim::make_fused_adamw(h), std::vector<ShardStep::Piece>{{0, grad_ref, out_ref}});
+    step = std::make_unique<ShardStep>(init.clone(), optim::make_fused_adamw(h), std::vector<ShardStep::Piece>{{0, grad, out}});
+    auto sdir = std::make_shared<offload::SwapDir>(dir, offload::new_run_id(), 0);
+    io = offload::make_io_engine(options);
+    step->offload_to_nvme(std::make_shared<offload::HostArena>(false),
+                          std::make_shared<offload::SwapFile>(sdir, io, "optimizer.swp"), window, sets);
+  }
+  // The same gradients into both.
+  void set_grads(const at::Tensor& g) { grad_ref.copy_(g), grad.copy_(g); }
+};
+
 TEST(ShardStepNvme, BackToBackStepsAndStateReadsSeeEveryWriteBack) {
   constexpr int64_t n = 6 << 20;
   const std::string dir = (fs::temp_directory_path() / ("zeal_shard_step_nvme_" + std::to_string(::getpid()))).string();
   fs::create_directories(dir);
-  optim::Hyper h;
-  h.weight_decay = 0.01;
   for (int64_t window : {n, n / 3}) {
     SCOPED_TRACE("window " + std::to_string(window));
-    at::manual_seed(3);
-    const at::Tensor init = at::randn({n});
-    at::Tensor grad_ref = at::zeros({n}), grad = at::zeros({n});
-    at::Tensor out_ref = init.clone(), out = init.clone();
-    ShardStep ref(init.clone(), optim::make_fused_adamw(h), {{0, grad_ref, out_ref}});
-    ShardStep step(init.clone(), optim::make_fused_adamw(h), {{0, grad, out}});
-    auto sdir = std::make_shared<offload::SwapDir>(dir, offload::new_run_id(), 0);
-    offload::IoOptions o;
-    std::shared_ptr<offload::IoEngine> io = offload::make_io_engine(o);
-    step.offload_to_nvme(std::make_shared<offload::HostArena>(false),
-                         std::make_shared<offload::SwapFile>(sdir, io, "optimizer.swp"), window);
+    StepPair pair(dir, n, window, 3, 3);
+    ShardStep &ref = *pair.ref, &step = *pair.step;
+    const at::Tensor &out = pair.out, &out_ref = pair.out_ref;
     for (int s = 0; s < 4; ++s) {
-      const at::Tensor g = at::randn({n}) * 1e-2;
-      grad_ref.copy_(g), grad.copy_(g);
+      pair.set_grads(at::randn({n}) * 1e-2);
       ref.apply(1e-3, 1.0);
       step.apply(1e-3, 1.0);  // the previous step's last window may still be going out
       ASSERT_TRUE(at::equal(out, out_ref)) << "step " << s;
@@ -141,22 +156,14 @@ TEST(ShardStepNvme, PrefetchedWindowsStepToTheSameBitsAndAStateAccessDropsThem) 
   constexpr int64_t n = 5 << 20;
   const std::string dir = (fs::temp_directory_path() / ("zeal_shard_step_prefetch_" + std::to_string(::getpid()))).string();
   fs::create_directories(dir);
-  optim::Hyper h;
-  h.weight_decay = 0.01;
   for (const int64_t window : {n, n / 5})
     for (const int sets : {3, 2, 1}) {
       SCOPED_TRACE(fmt::format("window {}, {} buffer sets", window, sets));
-      at::manual_seed(11);
-      const at::Tensor init = at::randn({n});
-      at::Tensor grad_ref = at::zeros({n}), grad = at::zeros({n});
-      at::Tensor out_ref = init.clone(), out = init.clone();
-      ShardStep ref(init.clone(), optim::make_fused_adamw(h), {{0, grad_ref, out_ref}});
-      ShardStep step(init.clone(), optim::make_fused_adamw(h), {{0, grad, out}});
-      auto sdir = std::make_shared<offload::SwapDir>(dir, offload::new_run_id(), 0);
-      offload::IoOptions o;
-      std::shared_ptr<offload::IoEngine> io = offload::make_io_engine(o);
-      step.offload_to_nvme(std::make_shared<offload::HostArena>(false),
-                           std::make_shared<offload::SwapFile>(sdir, io, "optimizer.swp"), window, sets);
+      StepPair pair(dir, n, window, sets, 11);
+      ShardStep &ref = *pair.ref, &step = *pair.step;
+      const at::Tensor &out = pair.out, &out_ref = pair.out_ref;
+      const offload::IoOptions& o = pair.options;
+      const std::shared_ptr<offload::IoEngine>& io = pair.io;
       const int64_t windows = (n + window - 1) / window;
       const int expect = static_cast<int>(std::min<int64_t>(sets, windows));
       // Requests apply reads through the file's engine when the first `skip` windows are in already.
@@ -170,8 +177,7 @@ TEST(ShardStepNvme, PrefetchedWindowsStepToTheSameBitsAndAStateAccessDropsThem) 
       };
       std::vector<float> buf(n);
       for (int s = 0; s < 5; ++s) {
-        const at::Tensor g = at::randn({n}) * 1e-2;
-        grad_ref.copy_(g), grad.copy_(g);
+        pair.set_grads(at::randn({n}) * 1e-2);
         step.finish_writes();  // the last window's write-back done: the prefetch may start
         step.prefetch_state();
         if (s == 2) {  // a checkpoint reads the state between the prefetch and the step
