@@ -27,7 +27,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <set>
 #include <mutex>
 #include <unordered_set>
 

@@ -250,18 +250,16 @@ void ShardStep::offload_to_nvme(std::shared_ptr<offload::HostArena> arena, std::
   window_ = round_up(std::max<int64_t>(1, std::min(window, total_)), kAlignElems);
   region_bytes_ = round_up(total_ * 4, offload::kIoAlign);
   swap_->dir().require(3 * region_bytes_, "the optimizer state offloaded to nvme");
-  writer_ = offload::make_io_engine(swap_->io().options(), std::string(swap_->io().kind()) == "threads");
   sets_ = std::clamp(buffer_sets, 1, 3);
   for (int k = 0; k < sets_; ++k) {
     win_master_[k] = arena_tensor(arena_, window_, at::kFloat);
     win_m_[k] = arena_tensor(arena_, window_, at::kFloat);
     win_v_[k] = arena_tensor(arena_, window_, at::kFloat);
-    for (const at::Tensor* t : {&win_master_[k], &win_m_[k], &win_v_[k]}) {
-      // Registered with both engines (a refusal leaves plain requests: same bytes, a little more CPU).
+    // Registered with the file's engine (a refusal leaves plain requests: same bytes, a little more CPU).
+    for (const at::Tensor* t : {&win_master_[k], &win_m_[k], &win_v_[k]})
       swap_->io().register_buffer(t->data_ptr(), round_up(window_ * 4, offload::kIoAlign));
-      writer_->register_buffer(t->data_ptr(), round_up(window_ * 4, offload::kIoAlign));
-    }
   }
+  make_writer();
   host_grad_ = arena_tensor(arena_, window_, at::kFloat);
   const at::ScalarType out_type = pieces_.empty() ? at::kFloat : pieces_[0].out.scalar_type();
   host_out_ = arena_tensor(arena_, window_, out_type);
@@ -323,6 +321,10 @@ void ShardStep::finish_prefetch() {
   // A failed read may have left requests of the writer's engine unfinished: the writes get an
   // engine of their own again, with the sets registered.
   prefetched_ = 0;
+  make_writer();
+}
+
+void ShardStep::make_writer() {
   writer_ = offload::make_io_engine(swap_->io().options(), std::string(swap_->io().kind()) == "threads");
   for (int k = 0; k < sets_; ++k) {
     for (const at::Tensor* t : {&win_master_[k], &win_m_[k], &win_v_[k]})

@@ -232,6 +232,8 @@ class ShardStep {
   int prefetched_ = 0;       // leading windows valid in their sets for the next apply
   int64_t windows_read_ahead_ = 0;
   void finish_prefetch();
+  // The write-back's own engine, with the buffer sets registered.
+  void make_writer();
   PieceHooks hooks_;
   std::shared_ptr<offload::SwapFile> swap_;  // NVMe offload
   int64_t window_ = 0, region_bytes_ = 0;

@@ -36,6 +36,16 @@ struct Mapping {
   int64_t n;
 };
 
+// `count` fresh mappings of `bytes` each, and the (pointer, bytes) list a Prefaulter takes.
+void make_mappings(int count, int64_t bytes, std::vector<std::unique_ptr<Mapping>>& maps,
+                   std::vector<std::pair<char*, int64_t>>& buffers) {
+  for (int i = 0; i < count; ++i) {
+    maps.push_back(std::make_unique<Mapping>(bytes));
+    ASSERT_NE(maps.back()->p, MAP_FAILED);
+    buffers.emplace_back(maps.back()->p, maps.back()->n);
+  }
+}
+
 TEST(Prefault, FaultInMakesTheWholePagesOfARangeResidentAndStoresNothing) {
   Mapping m(int64_t{8} << 20);
   ASSERT_NE(m.p, MAP_FAILED);
@@ -57,11 +67,7 @@ TEST(Prefault, FaultInMakesTheWholePagesOfARangeResidentAndStoresNothing) {
 TEST(Prefault, ThePrefaulterMakesItsBuffersResidentInOrder) {
   std::vector<std::unique_ptr<Mapping>> maps;
   std::vector<std::pair<char*, int64_t>> buffers;
-  for (int i = 0; i < 5; ++i) {
-    maps.push_back(std::make_unique<Mapping>(int64_t{3} << 20));
-    ASSERT_NE(maps.back()->p, MAP_FAILED);
-    buffers.emplace_back(maps.back()->p, maps.back()->n);
-  }
+  ASSERT_NO_FATAL_FAILURE(make_mappings(5, int64_t{3} << 20, maps, buffers));
   {
     zeal::offload::Prefaulter pf(buffers);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
@@ -78,11 +84,7 @@ TEST(Prefault, StoppingEarlyJoinsAndLeavesTheRestUntouched) {
   // Many large buffers, destroyed at once: the thread stops at its next step, far from the last.
   std::vector<std::unique_ptr<Mapping>> maps;
   std::vector<std::pair<char*, int64_t>> buffers;
-  for (int i = 0; i < 64; ++i) {
-    maps.push_back(std::make_unique<Mapping>(int64_t{64} << 20));
-    ASSERT_NE(maps.back()->p, MAP_FAILED);
-    buffers.emplace_back(maps.back()->p, maps.back()->n);
-  }
+  ASSERT_NO_FATAL_FAILURE(make_mappings(64, int64_t{64} << 20, maps, buffers));
   { zeal::offload::Prefaulter pf(buffers); }
   EXPECT_EQ(maps.back()->resident().first, 0);
 }
