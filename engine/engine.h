@@ -194,12 +194,14 @@ struct SaveStateOptions {
   // holds the state as it was at the call.
   bool async = false;
   // async: host memory per rank for that copy. A state larger than this makes the call wait until
-  // the writes have made room for the rest. 0: half the memory available, shared by the ranks.
+  // the writes have made room for the rest. 0: half the memory available, shared by this machine's
+  // ranks.
   int64_t staging_bytes = 0;
   // async: keep that host memory after the save for the next asynchronous save (DCP's
   // cache_staged_state_dict), whose copy then runs at memory speed instead of faulting in fresh
-  // pages (docs/checkpoints.md). It stays held (up to staging_bytes per rank) until the engine ends;
-  // saves without this option neither use nor free it.
+  // pages (docs/checkpoints.md); the default staging_bytes counts it as memory available. It
+  // stays held (up to the state's size per rank, kept_staging_bytes()) until a save without this
+  // option, a load_state, release_kept_staging() or the engine's end releases it.
   bool keep_staging = false;
 };
 
@@ -351,6 +353,10 @@ class Engine {
   // Waits until an asynchronous save_state is complete on every rank; its failure on any rank is a
   // zeal::Error here (naming the ranks and why). Collective; returns at once when none is pending.
   void wait_for_save();
+  // Host memory this rank holds for the next asynchronous save (SaveOptions::keep_staging), bytes.
+  int64_t kept_staging_bytes() const;
+  // Releases that memory (before a phase that needs it), after wait_for_save. Collective.
+  void release_kept_staging();
   // Objects of the program saved by every save_state (rank 0's, as custom_<k>.bin inside the
   // checkpoint, so they appear and disappear with it) and restored by load_state on every rank, in
   // the order they were registered. Accelerate's register_for_checkpointing.

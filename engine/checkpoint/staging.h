@@ -181,7 +181,7 @@ class Staging : public Sink {
 };
 
 // Host memory an asynchronous save may stage by default: half of what is available, shared by
-// the ranks.
-int64_t default_staging_budget(int world);
+// the ranks on this machine.
+int64_t default_staging_budget(int local_ranks);
 
 }  // namespace zeal::ckpt

@@ -22,6 +22,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/data/datasets/base.h>
@@ -385,6 +386,45 @@ TEST(CheckpointAsync, AnAsyncSaveHoldsTheStateOfTheCallWhileTrainingGoesOn) {
     fs::remove_all(ckpt);
     fs::remove_all(ckpt + ".earlier");
   }
+}
+
+// keep_staging: the memory an asynchronous save kept is reused by the next such save (it neither
+// grows nor shrinks), and released by a save without the option (asynchronous or not), by
+// release_kept_staging and by a load.
+TEST(CheckpointAsync, KeptStagingIsReusedAndReleasedByASaveWithoutItARequestOrALoad) {
+  const fs::path root = temp_dir("ckpt_kept_staging");
+  const RunSpec s = spec(3, 2);
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(make_config(s), rt);
+        zeal_test::Setup u = make_setup(s);
+        auto [m, o] = engine.prepare(u.model, *u.opt);
+        const std::string dir = (root / "ckpt").string();
+        auto held_after = [&](const zeal::SaveStateOptions& opt) {
+          engine.save_state(dir, opt);
+          engine.wait_for_save();
+          return engine.kept_staging_bytes();
+        };
+        auto check = [&](bool ok, const std::string& what) {
+          if (!ok) throw zeal::Error(fmt::format("rank {}: {}", engine.process_index(), what));
+        };
+        check(engine.kept_staging_bytes() == 0, "staging held before any save");
+        const int64_t first = held_after({.async = true, .keep_staging = true});
+        check(first > 0, "a save with keep_staging kept nothing");
+        check(held_after({.async = true, .keep_staging = true}) == first, "the next kept save did not reuse it exactly");
+        check(held_after({.async = true}) == 0, "an asynchronous save without keep_staging did not release it");
+        check(held_after({.async = true, .keep_staging = true}) == first, "kept again");
+        check(held_after({}) == 0, "a synchronous save did not release it");
+        check(held_after({.async = true, .keep_staging = true}) == first, "kept once more");
+        engine.release_kept_staging();
+        check(engine.kept_staging_bytes() == 0, "release_kept_staging did not release it");
+        check(held_after({.async = true, .keep_staging = true}) == first, "kept after the release");
+        engine.load_state(dir);
+        check(engine.kept_staging_bytes() == 0, "load_state did not release it");
+      },
+      s.world);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+  fs::remove_all(root);
 }
 
 // A write that fails on one rank (no space left) fails the save on every rank, naming that rank
