@@ -132,6 +132,9 @@ class ShardStep {
   int prefetched_windows();
   // Windows the steps so far took from the sets instead of the disk (prefetch_state).
   int64_t windows_read_ahead() const { return windows_read_ahead_; }
+  // The I/O engine of the write-back and of prefetch_state's reads (after offload_to_nvme; a failed
+  // prefetch replaces it). Tests inject faults into it.
+  offload::IoEngine& write_engine() { return *writer_; }
   // Gradient swap (after offload_to_nvme; DeepSpeed's ZeRO-Infinity swaps gradients out with the
   // optimizer state): the reduced gradients leave host memory for `file`, each piece in a region of
   // its own (aligned for O_DIRECT), in the accumulation dtype. The pieces' `grad` become meta tensors

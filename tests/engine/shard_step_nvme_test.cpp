@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cerrno>
+
 #include <filesystem>
 #include <memory>
 #include <vector>
@@ -202,6 +204,33 @@ TEST(ShardStepNvme, PrefetchedWindowsStepToTheSameBitsAndAStateAccessDropsThem) 
             << what;
       }
     }
+  fs::remove_all(dir);
+}
+
+// A prefetch whose read fails leaves nothing in the sets: the step reads those windows itself, to the
+// same bits, and the next prefetch (through a new engine) brings its windows again.
+TEST(ShardStepNvme, AFailedPrefetchIsReadAgainByTheStep) {
+  constexpr int64_t n = 3 << 20;
+  const std::string dir = (fs::temp_directory_path() / ("zeal_shard_step_prefetch_fail_" + std::to_string(::getpid()))).string();
+  fs::create_directories(dir);
+  for (const int error : {EIO, 0}) {  // 0: a short transfer
+    SCOPED_TRACE(error ? "an I/O error" : "a short read");
+    StepPair pair(dir, n, n / 3, 2, 5);
+    ShardStep &ref = *pair.ref, &step = *pair.step;
+    for (int s = 0; s < 3; ++s) {
+      pair.set_grads(at::randn({n}) * 1e-2);
+      step.finish_writes();
+      if (s == 1) {  // one of the prefetch's reads (its fourth request) fails
+        offload::IoEngine& e = step.write_engine();
+        e.inject({.at_request = e.requests() + 3, .error = error, .short_transfer = error == 0});
+      }
+      step.prefetch_state();
+      EXPECT_EQ(step.prefetched_windows(), s == 1 ? 0 : 2) << "step " << s;
+      ref.apply(1e-3, 1.0);
+      step.apply(1e-3, 1.0);
+      ASSERT_TRUE(at::equal(pair.out, pair.out_ref)) << "step " << s;
+    }
+  }
   fs::remove_all(dir);
 }
 
