@@ -223,7 +223,7 @@ int main(int argc, char** argv) {
                return main ? (timed([&] {}), fio_read_files({ckpt + "/rank0.safetensors", ckpt + "/rank1.safetensors"}))
                            : (timed([] {}), 1.0);
              }},
-            {"zeal async save (blocking)",  // last: its staging is memory nothing freed just before
+            {"zeal async save (blocking)",  // fresh staging; the rotation keeps it after fio read
              [&] {
                const double v = state_bytes / timed([&] { engine.save_state(ckpt, {.async = true}); });
                settle();

@@ -84,8 +84,12 @@ void Engine::wait_for_save() {
 int64_t Engine::kept_staging_bytes() const { return state_ ? state_->staging_pool->bytes() : 0; }
 
 void Engine::release_kept_staging() {
-  wait_for_save();  // a pending save's chunks go back to the pool when it completes
-  state_->staging_pool->clear();
+  // A pending save's chunks go back to the pool when wait_for_save collects it (failed or not).
+  struct Release {
+    ckpt::StagingPool& pool;
+    ~Release() { pool.clear(); }
+  } release{*state_->staging_pool};
+  wait_for_save();
 }
 
 void Engine::finish_background_save() noexcept {
@@ -246,11 +250,12 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
       for (const auto& e : plan.entries) bytes += e.bytes;
       const bool whole = budget >= bytes + (1 << 20);
       budget = std::min(budget, bytes + (1 << 20));
-      // Writes wait for the copy only into kept staging (the copy then runs at memory speed with the
-      // cores to itself); into fresh staging they start at once, so the copy reuses written chunks
-      // where faulting in fresh pages is slower than the disk (checkpoint_bench on a VM whose host
-      // reclaims free memory: 0.83 of a whole save blocked against 1.63 held).
-      staging = std::make_shared<Staging>(budget, keep ? state_->staging_pool : nullptr, whole && keep);
+      // Writes wait for the copy only when kept staging holds the whole state (the copy then runs at
+      // memory speed with the cores to itself); into fresh staging they start at once, so the copy
+      // reuses written chunks where faulting in fresh pages is slower than the disk (checkpoint_bench
+      // on a VM whose host reclaims free memory: 0.83 of a whole save blocked against 1.63 held).
+      const bool hold = whole && keep && state_->staging_pool->bytes() >= budget;
+      staging = std::make_shared<Staging>(budget, keep ? state_->staging_pool : nullptr, hold);
       const double timeout = config_.launch.comm_timeout;
       // The background thread: writes the staged chunks, publishes this rank's report next to its
       // file; rank 0 then waits for every rank's report and completes the checkpoint.

@@ -46,9 +46,10 @@ struct StagingChunk {
 // DCP's cache_staged_state_dict): the next copy writes into pages already faulted in.
 class StagingPool {
  public:
-  void put(std::vector<std::unique_ptr<StagingChunk>> chunks) {
+  // The pool becomes `chunks`: kept chunks the save could not use (another size) go.
+  void keep(std::vector<std::unique_ptr<StagingChunk>> chunks) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& c : chunks) chunks_.push_back(std::move(c));
+    chunks_ = std::move(chunks);
   }
   // A kept chunk of `size` bytes, or null.
   std::unique_ptr<StagingChunk> take(int64_t size) {
@@ -81,7 +82,7 @@ class StagingPool {
 // An asynchronous save's snapshot: the training thread copies the state into at most `budget`
 // bytes of host memory, in chunks; the background thread writes each chunk and gives it back. A
 // state larger than the budget makes the copy wait for the writes. With a pool, chunks come from it
-// first and go back to it when the save is over.
+// first and the pool is this save's chunks when it is over.
 class Staging : public Sink {
  public:
   using Chunk = StagingChunk;
@@ -93,7 +94,7 @@ class Staging : public Sink {
         pool_(std::move(pool)),
         hold_(hold) {}
   ~Staging() override {
-    if (pool_) pool_->put(std::move(all_));
+    if (pool_) pool_->keep(std::move(all_));
   }
 
   // The training thread's side.

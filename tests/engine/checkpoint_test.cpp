@@ -390,7 +390,7 @@ TEST(CheckpointAsync, AnAsyncSaveHoldsTheStateOfTheCallWhileTrainingGoesOn) {
 
 // keep_staging: the memory an asynchronous save kept is reused by the next such save (it neither
 // grows nor shrinks), and released by a save without the option (asynchronous or not), by
-// release_kept_staging and by a load.
+// release_kept_staging and by a load, also while a kept save is still being written.
 TEST(CheckpointAsync, KeptStagingIsReusedAndReleasedByASaveWithoutItARequestOrALoad) {
   const fs::path root = temp_dir("ckpt_kept_staging");
   const RunSpec s = spec(3, 2);
@@ -421,6 +421,18 @@ TEST(CheckpointAsync, KeptStagingIsReusedAndReleasedByASaveWithoutItARequestOrAL
         check(held_after({.async = true, .keep_staging = true}) == first, "kept after the release");
         engine.load_state(dir);
         check(engine.kept_staging_bytes() == 0, "load_state did not release it");
+        // Each release while a kept save is still being written: it waits for that save, whose
+        // chunks come back to the pool then, and releases them too.
+        engine.save_state(dir, {.async = true, .keep_staging = true});
+        engine.release_kept_staging();
+        check(engine.kept_staging_bytes() == 0, "release_kept_staging during a kept save kept its chunks");
+        engine.save_state(dir, {.async = true, .keep_staging = true});
+        engine.save_state(dir, {.async = true});
+        engine.wait_for_save();
+        check(engine.kept_staging_bytes() == 0, "a save without keep_staging during a kept save kept its chunks");
+        engine.save_state(dir, {.async = true, .keep_staging = true});
+        engine.load_state(dir);
+        check(engine.kept_staging_bytes() == 0, "load_state during a kept save kept its chunks");
       },
       s.world);
   EXPECT_EQ(zeal::describe_failures(results), "");
