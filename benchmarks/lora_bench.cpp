@@ -435,6 +435,13 @@ int main(int argc, char** argv) {
     pair(fmt::format("stage{}_lora_vs_full", stage), fmt::format("zeal stage {} LoRA / zeal stage {} full", stage, stage),
          find(stage, true), find(stage, false));
   }
+  for (int stage : o.stages) {  // what sharding costs: each stage against the first (goal for 3: within 1.1)
+    if (stage == first) continue;
+    pair(fmt::format("stage{}_lora_vs_stage{}_lora", stage, first),
+         fmt::format("zeal stage {} LoRA / zeal stage {} LoRA", stage, first), find(stage, true), find(first, true));
+    pair(fmt::format("stage{}_full_vs_stage{}_full", stage, first),
+         fmt::format("zeal stage {} full / zeal stage {} full", stage, first), find(stage, false), find(first, false));
+  }
   pair(fmt::format("stage{}_lora_cache_off_vs_peft", first),
        fmt::format("zeal stage {} LoRA, host cache off / transformers + peft LoRA", first), find(first, true, kCacheOff),
        find(-1, true));
