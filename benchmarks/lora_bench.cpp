@@ -10,7 +10,7 @@
 //
 //   build/bin/lora_bench [--model minilm|llama] [--model_dir DIR] [--llama_config FILE] [--world N]
 //       [--threads T] [--steps S] [--rounds R] [--seq_len L] [--micro_batch B] [--stages 0,3]
-//       [--json PATH] [--python EXE] [--no-peers]
+//       [--json PATH] [--python EXE] [--no-peers] [--stage3_param_persistence_threshold N]
 //
 // Per configuration run: the median step time (forward, backward, optimizer step, zero_grad; the
 // slowest rank per step; one untimed warm-up step first) and the per-rank peak memory: the peak
@@ -77,6 +77,7 @@ struct Options {
   std::vector<int> stages{0, 3};
   std::string json_path, python;
   bool peers = true;
+  int64_t persistence_threshold = -1;  // stage3_param_persistence_threshold; -1: the default
 };
 
 struct Run {
@@ -148,6 +149,7 @@ Run run_zeal(const Options& o, int stage, bool lora, int variant, const at::Tens
         zeal::Config c = zeal::Config::defaults(false);
         c.zero.stage = stage;
         c.zero.zero3_init_flag = stage == 3;
+        if (o.persistence_threshold >= 0) c.zero.stage3_param_persistence_threshold = {o.persistence_threshold, false};
         zeal::Engine engine(c, rt);
         zeal::detail::reset_resident_peak();
         const int64_t base = zeal::detail::resident_bytes();
@@ -269,6 +271,9 @@ int main(int argc, char** argv) {
   app.add_option("--json", o.json_path, "write the results here");
   app.add_option("--python", o.python, "the peers' Python (torch 2.11, transformers, peft: scripts/peers)")->capture_default_str();
   app.add_flag("--no-peers", [&](int64_t) { o.peers = false; }, "zeal's rows only");
+  app.add_option("--stage3_param_persistence_threshold", o.persistence_threshold,
+                 "stage 3: units of fewer elements stay gathered between steps (1e9: every unit, no per-step gathers)")
+      ->check(CLI::NonNegativeNumber);
   try {
     app.parse(argc, argv);
     o.stages.clear();
@@ -413,7 +418,8 @@ int main(int argc, char** argv) {
                  {"lora", {{"r", o.r}, {"lora_alpha", o.lora_alpha}, {"lora_dropout", o.lora_dropout},
                            {"target_modules", o.model == "llama" ? json{"q_proj", "v_proj"} : json{"query", "value"}},
                            {"modules_to_save", o.model == "llama" ? json::array() : json{"classifier"}}}},
-                 {"precision", "fp32"}, {"rows", out_rows}};
+                 {"precision", "fp32"}, {"rows", out_rows},
+                 {"stage3_param_persistence_threshold", o.persistence_threshold >= 0 ? json(o.persistence_threshold) : json("default")}};
   auto find = [&](int stage, bool lora, int variant = 0) -> const Row* {
     for (const auto& r : rows)
       if (r.ok && r.stage == stage && r.lora == lora && r.variant == variant) return &r;
