@@ -243,9 +243,9 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
     } else {
       // The default budget counts this rank's kept staging as available (the copy reuses it), so a
       // kept staging is as large as a fresh one would be, never growing from save to save.
-      int64_t budget = options.staging_bytes > 0
-                           ? options.staging_bytes
-                           : default_staging_budget(runtime_->local_world_size()) + state_->staging_pool->bytes() / 2;
+      const int64_t kept = state_->staging_pool->bytes();  // 0 unless keep (released above)
+      int64_t budget = options.staging_bytes > 0 ? options.staging_bytes
+                                                 : default_staging_budget(runtime_->local_world_size()) + kept / 2;
       int64_t bytes = 0;
       for (const auto& e : plan.entries) bytes += e.bytes;
       const bool whole = budget >= bytes + (1 << 20);
@@ -254,7 +254,7 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
       // memory speed with the cores to itself); into fresh staging they start at once, so the copy
       // reuses written chunks where faulting in fresh pages is slower than the disk (checkpoint_bench
       // on a VM whose host reclaims free memory: 0.83 of a whole save blocked against 1.63 held).
-      const bool hold = whole && keep && state_->staging_pool->bytes() >= budget;
+      const bool hold = whole && keep && kept >= budget;
       staging = std::make_shared<Staging>(budget, keep ? state_->staging_pool : nullptr, hold);
       const double timeout = config_.launch.comm_timeout;
       // The background thread: writes the staged chunks, publishes this rank's report next to its
