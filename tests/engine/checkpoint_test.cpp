@@ -30,6 +30,7 @@
 #include <torch/optim/adamw.h>
 
 #include "engine/checkpoint/safetensors.h"
+#include "engine/resident.h"
 #include "engine/zero/sharded.h"
 
 #include "tests/engine/engine_harness.h"
@@ -416,8 +417,15 @@ TEST(CheckpointAsync, KeptStagingIsReusedAndReleasedByASaveWithoutItARequestOrAL
         check(held_after({.async = true, .keep_staging = true}) == first, "kept again");
         check(held_after({}) == 0, "a synchronous save did not release it");
         check(held_after({.async = true, .keep_staging = true}) == first, "kept once more");
+        // The resident set (from /proc) drops by the bytes the staging held: this rank's file.
+        const int64_t file = static_cast<int64_t>(
+                          fs::file_size(fs::path(dir) / fmt::format("rank{}.safetensors", engine.process_index()))),
+                      before = zeal::detail::resident_bytes();
         engine.release_kept_staging();
         check(engine.kept_staging_bytes() == 0, "release_kept_staging did not release it");
+        const int64_t dropped = before - zeal::detail::resident_bytes();
+        check(dropped >= file * 9 / 10, fmt::format("release_kept_staging: the resident set dropped by {} bytes, the file "
+                                                    "staged is {}", dropped, file));
         check(held_after({.async = true, .keep_staging = true}) == first, "kept after the release");
         engine.load_state(dir);
         check(engine.kept_staging_bytes() == 0, "load_state did not release it");
