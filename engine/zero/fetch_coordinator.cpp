@@ -72,10 +72,10 @@ void FetchCoordinator::prefetch_after(const Unit& u, const Order& o, size_t from
       continue;
     }
     if (v.state() != Unit::State::kReleased || v.persistent()) continue;
-    if (gathered_ - base + v.numel() * elem > opts_.max_live_elems * elem) break;
+    if (gathered_ - base + v.missing_elems() * elem > opts_.max_live_elems * elem) break;
+    budget -= v.missing_elems();
     v.gather(false, "prefetch");
     ++prefetched_;
-    budget -= v.numel();
   }
   if (!opts_.param_swap) return;
   // offload_param nvme: the units after those, read from disk while this one computes, as far as
@@ -91,19 +91,32 @@ void FetchCoordinator::prefetch_after(const Unit& u, const Order& o, size_t from
   }
 }
 
+int64_t FetchCoordinator::reuse_distance(const Unit& u, bool cyclic, int64_t cap) const {
+  const Order& o = training_;
+  const size_t n = o.trace.size(), count = cyclic ? n : (o.pos < n ? n - o.pos : 0);
+  int64_t distance = 0;
+  for (size_t k = 0; k < count && distance < cap; ++k) {
+    const Unit& v = *units_[o.trace[(o.pos + k) % n]];
+    if (&v == &u) return distance;
+    if (!v.persistent()) distance += v.numel();
+  }
+  return cap;
+}
+
 bool FetchCoordinator::reused_soon(const Unit& u) const {
   const Order& o = training_;
   if (!opts_.prefetch || !o.valid || u.persistent()) return false;
   const int64_t elem = at::elementSize(opts_.compute_dtype);
   if (gathered_ - persistent_bytes_ > opts_.max_live_elems * elem) return false;
-  int64_t distance = 0;
-  for (size_t k = o.pos; k < o.trace.size(); ++k) {
-    const Unit& v = *units_[o.trace[k]];
-    if (&v == &u) return distance < opts_.max_reuse_elems;  // 0: never kept
-    if (!v.persistent()) distance += v.numel();
-    if (distance >= opts_.max_reuse_elems) return false;
-  }
-  return false;
+  return reuse_distance(u, /*cyclic=*/false, opts_.max_reuse_elems) < opts_.max_reuse_elems;  // 0: never kept
+}
+
+bool FetchCoordinator::frozen_reused(const Unit& u) const {
+  const Order& o = training_;
+  if (!opts_.prefetch || !o.valid || u.persistent() || !u.frozen_.layout || o.trace.empty()) return false;
+  const int64_t elem = at::elementSize(opts_.compute_dtype);
+  if (gathered_ - persistent_bytes_ - u.train_.bytes() > opts_.max_live_elems * elem) return false;
+  return reuse_distance(u, /*cyclic=*/true, opts_.max_reuse_elems) < opts_.max_reuse_elems;
 }
 
 void FetchCoordinator::end_training_pass() {

@@ -34,6 +34,10 @@ class FetchCoordinator {
   // stage3_max_reuse_distance elements of other units (then it stays gathered), without lifting the
   // gathered bytes above stage3_max_live_parameters.
   bool reused_soon(const Unit& u) const;
+  // After u's backward: whether its frozen part stays gathered (kept) — its next use, in this pass
+  // or the next one (the order repeats), comes within stage3_max_reuse_distance elements of other
+  // units and the gathered bytes without its trainable part stay within stage3_max_live_parameters.
+  bool frozen_reused(const Unit& u) const;
   // A training pass (forward and backward) ended: its recording becomes the order if it changed.
   void end_training_pass();
   // Waits for every all-gather in flight.
@@ -62,6 +66,9 @@ class FetchCoordinator {
     bool valid = false;
   };
   void prefetch_after(const Unit& u, const Order& order, size_t from, bool cyclic);
+  // Elements of other units' uses before u's next one in the training order, from its position
+  // (wrapping to the next pass when `cyclic`), counted up to `cap`; `cap` when there is none.
+  int64_t reuse_distance(const Unit& u, bool cyclic, int64_t cap) const;
 
   const Stage3Options& opts_;
   const std::vector<std::unique_ptr<Unit>>& units_;

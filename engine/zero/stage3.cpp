@@ -546,15 +546,17 @@ void Stage3::apply(double inv_scale, const std::vector<double>& lrs) {
   TouchPause pause;
   c10::NoGradGuard no_grad;
   // A unit gathered now (a prefetch for the next eval pass, say) would hold the old values after
-  // the update: release it; its next fetch gathers the new ones.
+  // the update: release it; its next fetch gathers the new ones. A kept frozen part stays: the
+  // step changes no frozen value.
   fetch_->wait_all();
   for (auto& u : units_)
-    if (!u->persistent() && u->holds_ == 0) u->release();
+    if (!u->persistent() && u->holds_ == 0) u->release(/*keep_frozen=*/u->frozen_kept());
   Unit& root = *units_[0];
   if (root_released_in_step_ && root.state() != Unit::State::kReleased && root.holds_ == 0) {
-    // The root is released while the optimizer runs (see stage3.h), then gathered with its new values.
+    // The root is released while the optimizer runs (see stage3.h), then gathered with its new
+    // values; its frozen part, which no step changes, stays (a LoRA model's embeddings).
     root.persistent_ = false;
-    root.release();
+    root.release(/*keep_frozen=*/true);
     root.persistent_ = true;
   }
   // offload_param nvme: the trainable shards the step writes come back from disk for it, and go
@@ -838,6 +840,9 @@ void Stage3::end_state_access(bool changed) {
   if (open_ >= 0) close_group(open_, /*changed=*/false);  // an error left it open: it was not changed
   if (changed) {
     c10::NoGradGuard no_grad;
+    // Frozen parts kept since the last backward hold the old values: they go.
+    for (auto& u : units_)
+      if (u->frozen_kept()) u->release();
     // Units gathered now (the persistent ones, those engine.gathered holds) take the new values,
     // one at a time (shards on disk read in for the gather and freed again).
     CollectiveLabel label(comm_, "after load_state");

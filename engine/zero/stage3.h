@@ -18,9 +18,9 @@
 //
 // The root: LibTorch modules have no forward hooks, so the engine cannot see where the root's
 // parameters are used. The root stays gathered from one optimizer step to the next (through
-// forward, backward and any evaluation) and is released while the optimizer step runs, as PyTorch
-// FSDP2 keeps its root unit (a root under stage3_param_persistence_threshold stays gathered
-// throughout). A block held as a Sharded member is gathered only while it runs.
+// forward, backward and any evaluation) and its trainable part is released while the optimizer
+// step runs, as PyTorch FSDP2 keeps its root unit (a root under stage3_param_persistence_threshold
+// stays gathered throughout); its frozen part, which no step changes, stays. A block held as a Sharded member is gathered only while it runs.
 #pragma once
 
 #include <ATen/Tensor.h>

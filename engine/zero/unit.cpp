@@ -58,6 +58,8 @@ at::Tensor Unit::build(Part& part, bool same_everywhere) {
   const FlatLayout& l = *part.layout;
   for (int i = 0; i < l.num_params(); ++i) offsets.push_back(l.offset(i));
   for (int64_t n : numels) numel_ += n;
+  if (&part == &frozen_)
+    for (int64_t n : numels) frozen_numel_ += n;
   // On the engine's device: the parameters may still be on the CPU (prepare moves a stage-3 model
   // unit by unit, here, never whole).
   at::Tensor init = initial_flat_values(part.params, offsets, l.padded_total(), comm, same_everywhere, o.device);
@@ -76,9 +78,10 @@ void Unit::gather(bool wait, const char* phase) {
   if (state_ == State::kReleased) {
     Communicator& comm = owner_.comm();
     CollectiveLabel label(comm, fmt::format("{}, {}", name_, phase));
-    load_shards();
+    const int64_t adds = missing_bytes();
+    load_shards(/*trainable_only=*/frozen_kept_);
     for (Part* part : {&train_, &frozen_}) {
-      if (!part->layout) continue;
+      if (!part->layout || (part == &frozen_ && frozen_kept_)) continue;
       alloc_storage(part->full);
       if (comm.world_size() > 1) {
         pending_.push_back(comm.all_gather(part->shard, part->full));
@@ -88,8 +91,9 @@ void Unit::gather(bool wait, const char* phase) {
     }
     if (pending_.empty()) drop_shards();
     state_ = State::kGathering;
+    frozen_kept_ = false;
     if (!persistent_) owner_.fetch().count_gather();
-    owner_.fetch().add_gathered(gathered_bytes());
+    owner_.fetch().add_gathered(adds);
   }
   if (state_ == State::kGathering) ZEAL_TRACE("gather");
   if (wait) wait_gather();
@@ -145,12 +149,13 @@ int Unit::read_ahead() {
     return p.layout && p.swap_offset >= 0 && !p.reading.valid() && p.shard.device().is_cpu() &&
            p.shard.storage().nbytes() != p.shard.nbytes();
   };
+  const std::vector<Part*> parts = frozen_kept_ ? std::vector<Part*>{&train_} : std::vector<Part*>{&train_, &frozen_};
   int64_t elems = 0;
-  for (const Part* part : {&train_, &frozen_})
+  for (const Part* part : parts)
     if (wanted(*part)) elems += part->shard.numel();
   if (elems == 0) return 0;
   if (!swap.has_room(elems)) return -1;
-  for (Part* part : {&train_, &frozen_})
+  for (Part* part : parts)
     if (wanted(*part)) part->reading = swap.start_read(part->shard, part->swap_offset);
   return 1;
 }
@@ -170,15 +175,38 @@ void Unit::drop_shards() {
   }
 }
 
-void Unit::release() {
-  if (persistent_ || state_ == State::kReleased || holds_ > 0) return;
+int64_t Unit::missing_bytes() const {
+  if (state_ != State::kReleased) return 0;
+  return train_.bytes() + (frozen_kept_ ? 0 : frozen_.bytes());
+}
+
+int64_t Unit::missing_elems() const {
+  if (state_ != State::kReleased) return 0;
+  return numel_ - (frozen_kept_ ? frozen_numel_ : 0);
+}
+
+void Unit::release(bool keep_frozen) {
+  if (persistent_ || holds_ > 0) return;
+  keep_frozen = keep_frozen && frozen_.layout;
+  if (state_ == State::kReleased) {
+    if (!frozen_kept_ || keep_frozen) return;
+    free_storage(frozen_.full);
+    frozen_kept_ = false;
+    owner_.fetch().sub_gathered(frozen_.bytes());
+    ZEAL_TRACE("release (kept frozen part)");
+    return;
+  }
   wait_gather();
+  int64_t freed = 0;
   for (Part* part : {&train_, &frozen_}) {
-    if (part->layout) free_storage(part->full);
+    if (!part->layout || (part == &frozen_ && keep_frozen)) continue;
+    free_storage(part->full);
+    freed += part->bytes();
   }
   state_ = State::kReleased;
-  owner_.fetch().sub_gathered(gathered_bytes());
-  ZEAL_TRACE("release");
+  frozen_kept_ = keep_frozen;
+  owner_.fetch().sub_gathered(freed);
+  ZEAL_TRACE(keep_frozen ? "release (frozen part kept)" : "release");
 }
 
 // --- the lifecycle points ----------------------------------------------------------------------
@@ -215,7 +243,7 @@ void Unit::post_backward() {
   if (state_ != State::kInBackward || --open_backwards_ > 0) return;
   c10::NoGradGuard no_grad;
   state_ = State::kGathered;
-  release();
+  release(/*keep_frozen=*/owner_.fetch().frozen_reused(*this));
 }
 
 // --- gradients ---------------------------------------------------------------------------------
@@ -294,7 +322,7 @@ void Unit::reset_backward() {
   grad_staging_ = at::Tensor();
   for (auto& p : train_.params) p.mutable_grad() = at::Tensor();
   if (state_ == State::kInBackward) state_ = State::kGathered;
-  release();
+  release(/*keep_frozen=*/frozen_kept_);  // a kept frozen part stays
 }
 
 }  // namespace zeal::zero

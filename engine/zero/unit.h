@@ -16,8 +16,12 @@
 //                  inside its own backward (a recomputation)
 //   pre_backward   the gradient of its output is ready: its backward is next, gather again
 //   post_backward  every op of its backward has run (the identity on its inputs fired, or the
-//                  backward ended for a unit whose inputs need no gradient): release, frozen
-//                  parameters included
+//                  backward ended for a unit whose inputs need no gradient): release; the frozen
+//                  part stays (kept) when the recorded order uses the unit again, the next pass
+//                  included, within stage3_max_reuse_distance and stage3_max_live_parameters
+//                  allow it: no step changes frozen values, so the next gather brings only the
+//                  trainable part (a LoRA unit: its adapters). Dropped by any other release and
+//                  when a state load changes the shards.
 // Its gradients in one backward (Grads): kIdle → kArriving (some arrived, staged) → kComplete (all
 // arrived, or the backward ended) → kReduced (reduce-scattered into this rank's gradient shard).
 // Reductions run in one fixed order on every rank (Stage3), not in arrival order.
@@ -90,7 +94,14 @@ class Unit {
   // All-gathers the shards into the full buffers (issues only, unless `wait`).
   void gather(bool wait, const char* phase);
   void wait_gather();
-  void release();
+  // Frees the full buffers. keep_frozen: the frozen part's stays, with its values (kept), or a
+  // kept one stays; otherwise a kept one goes too.
+  void release(bool keep_frozen = false);
+  // Bytes a gather would add now, and the elements it would bring (the frozen part's none while
+  // kept).
+  int64_t missing_bytes() const;
+  int64_t missing_elems() const;
+  bool frozen_kept() const { return frozen_kept_; }
   // offload_param nvme. shards_to_disk: after build, each part's shard gets a region in the swap
   // file, is written there and freed. load_shards: the shards on disk without storage are read
   // back (of the trainable part only, when `trainable_only`). store_shards: writes the trainable
@@ -118,7 +129,8 @@ class Unit {
   State state_ = State::kGathered;  // build() leaves it gathered; Stage3 releases it
   Grads grads_ = Grads::kIdle;
   bool persistent_ = false;  // set once at construction (persistence threshold)
-  int64_t numel_ = 0;
+  bool frozen_kept_ = false;  // released, but frozen_.full kept with its values (see post_backward)
+  int64_t numel_ = 0, frozen_numel_ = 0;
   int arrived_ = 0;
   int open_backwards_ = 0;  // uses whose backward began and has not ended (a unit used twice)
   int holds_ = 0;           // engine.gathered() guards holding it gathered
