@@ -81,8 +81,9 @@ class StagingPool {
 
 // An asynchronous save's snapshot: the training thread copies the state into at most `budget`
 // bytes of host memory, in chunks; the background thread writes each chunk and gives it back. A
-// state larger than the budget makes the copy wait for the writes. With a pool, chunks come from it
-// first and the pool is this save's chunks when it is over.
+// state larger than the budget makes the copy wait for the writes. With a pool (keep_staging),
+// chunks come from it first, written chunks are reused only once the budget is reached, and the
+// pool is this save's chunks when it is over.
 class Staging : public Sink {
  public:
   using Chunk = StagingChunk;
@@ -150,9 +151,13 @@ class Staging : public Sink {
       hold_ = false;  // never both waiting for room and holding the writes back
       cv_.notify_all();
     }
-    cv_.wait(lock, [&] { return !free_.empty() || static_cast<int64_t>(all_.size()) < max_ || !error_.empty(); });
+    const auto room = [&] { return static_cast<int64_t>(all_.size()) < max_; };
+    cv_.wait(lock, [&] { return !free_.empty() || room() || !error_.empty(); });
     if (!error_.empty()) throw Error(error_);
-    if (!free_.empty()) {
+    // A staging that is kept grows to the state's size (within the budget) before it reuses a
+    // written chunk: what it keeps is then the same whatever the disk's pace, and holds the whole
+    // state for the next save where the budget allows.
+    if (!free_.empty() && !(pool_ && room())) {
       Chunk* c = free_.back();
       free_.pop_back();
       return c;
