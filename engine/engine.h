@@ -121,9 +121,10 @@ struct SaveModelOptions {
 // "block" level left out; LoRA adapter tensors a file lacks keep their values), converting the
 // dtype; a missing name or a shape that
 // differs is a zeal::Error naming it (nothing is changed then). For a model an engine prepared
-// with its optimizer, every rank calls it (collective) and reads only the elements it holds (its
-// shards under stage 3), and the fp32 master weights take the values too; the optimizer's state
-// stays. Returns the number of tensors read.
+// with its optimizer, or a module inside one (its names relative to that module), every rank calls
+// it (collective) and reads only the elements it holds (its shards under stage 3), and the fp32
+// master weights take the values too; the optimizer's state stays. Returns the number of tensors
+// read.
 int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir);
 
 // zeal::load_pretrained's options and report.

@@ -172,14 +172,34 @@ namespace detail {
 
 int64_t load_mapped(torch::nn::Module& model, const std::string& path,
                     const std::function<std::string(const std::string&)>& map) {
+  // The engine that prepared `model`, or a model that holds it (a submodule: its names there start
+  // with `prefix`). Its parameters' values live in the engine's shards and master weights: loaded
+  // through it, whichever module the program names.
   Engine* engine = nullptr;
+  const torch::nn::Module* root = &model;
+  std::string prefix;
   {
     std::lock_guard<std::mutex> lock(prepared_mu);
     auto it = prepared_modules.find(&model);
     if (it != prepared_modules.end()) engine = it->second;
+    for (auto p = prepared_modules.begin(); !engine && p != prepared_modules.end(); ++p) {
+      for (const auto& sub : p->first->named_modules("", /*include_self=*/false)) {
+        if (sub.value().get() != &model) continue;
+        engine = p->second;
+        root = p->first;
+        prefix = sub.key() + ".";
+        break;
+      }
+    }
   }
   if (engine) {
-    if (const int64_t n = engine->load_weights_sharded(model, path, map); n >= 0) return n;
+    const auto in_model = [&](const std::string& name) {
+      return name.rfind(prefix, 0) == 0 ? map(name.substr(prefix.size())) : std::string();
+    };
+    auto& target = const_cast<torch::nn::Module&>(*root);
+    const int64_t n = prefix.empty() ? engine->load_weights_sharded(target, path, map)
+                                     : engine->load_weights_sharded(target, path, in_model);
+    if (n >= 0) return n;
   }
   HfWeights w{fs::path(path)};
   struct Target {

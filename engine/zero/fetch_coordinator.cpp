@@ -47,6 +47,9 @@ void FetchCoordinator::on_fetch(Unit& u, Pass pass) {
     // The order changed: finish every prefetch in flight (all ranks issued the same ones), fetch on
     // demand from here and record the order again.
     wait_all();
+    // Frozen parts kept for the old order may never be used in the new one.
+    for (const auto& v : units_)
+      if (v.get() != &u) v->drop_kept();
     o.valid = false;
     if (pass == Pass::kNoGrad) o.recording = {u.index()};
     ++retraced_;
@@ -73,9 +76,10 @@ void FetchCoordinator::prefetch_after(const Unit& u, const Order& o, size_t from
     }
     if (v.state() != Unit::State::kReleased || v.persistent()) continue;
     if (gathered_ - base + v.missing_elems() * elem > opts_.max_live_elems * elem) break;
-    budget -= v.missing_elems();
+    const int64_t elems = v.missing_elems();
+    budget -= elems;
     v.gather(false, "prefetch");
-    ++prefetched_;
+    if (elems > 0) ++prefetched_;
   }
   if (!opts_.param_swap) return;
   // offload_param nvme: the units after those, read from disk while this one computes, as far as
@@ -116,7 +120,10 @@ bool FetchCoordinator::frozen_reused(const Unit& u) const {
   if (!opts_.prefetch || !o.valid || u.persistent() || !u.frozen_.layout || o.trace.empty()) return false;
   const int64_t elem = at::elementSize(opts_.compute_dtype);
   if (gathered_ - persistent_bytes_ - u.train_.bytes() > opts_.max_live_elems * elem) return false;
-  return reuse_distance(u, /*cyclic=*/true, opts_.max_reuse_elems) < opts_.max_reuse_elems;
+  // Within max_live elements of other units too: where the budget does not hold them all, the units
+  // used again soonest keep theirs, not the first ones a backward reaches.
+  const int64_t cap = std::min(opts_.max_reuse_elems, opts_.max_live_elems);
+  return reuse_distance(u, /*cyclic=*/true, cap) < cap;
 }
 
 void FetchCoordinator::end_training_pass() {

@@ -34,9 +34,10 @@ class FetchCoordinator {
   // stage3_max_reuse_distance elements of other units (then it stays gathered), without lifting the
   // gathered bytes above stage3_max_live_parameters.
   bool reused_soon(const Unit& u) const;
-  // After u's backward: whether its frozen part stays gathered (kept) — its next use, in this pass
-  // or the next one (the order repeats), comes within stage3_max_reuse_distance elements of other
-  // units and the gathered bytes without its trainable part stay within stage3_max_live_parameters.
+  // After u's training use: whether its frozen part stays gathered (kept) — its next use, in this
+  // pass or the next one (the order repeats), comes within stage3_max_reuse_distance and
+  // stage3_max_live_parameters elements of other units, and the gathered bytes without its
+  // trainable part stay within stage3_max_live_parameters.
   bool frozen_reused(const Unit& u) const;
   // A training pass (forward and backward) ended: its recording becomes the order if it changed.
   void end_training_pass();

@@ -11,7 +11,8 @@
 // its forward runs the unit's lifecycle (engine/zero/unit.h): pre_forward gathers the block's
 // parameters (or finds them prefetched); the block runs with autograd recording, its tensor inputs
 // passed through one identity whose backward fires once every op of the block has run its backward
-// (post_backward: the unit is released, frozen parameters included) and its tensor outputs through
+// (post_backward: the unit is released; its frozen parameters may stay gathered until the next
+// step's forward, docs/stage3.md "Frozen weights") and its tensor outputs through
 // one identity whose backward fires before the block's (pre_backward: the unit is gathered again);
 // post_forward releases it. Gradients are reduce-scattered into their owners once the block's
 // backward has produced all of them. The block's forward may take any arguments (the tensors inside

@@ -841,8 +841,7 @@ void Stage3::end_state_access(bool changed) {
   if (changed) {
     c10::NoGradGuard no_grad;
     // Frozen parts kept since the last backward hold the old values: they go.
-    for (auto& u : units_)
-      if (u->frozen_kept()) u->release();
+    for (auto& u : units_) u->drop_kept();
     // Units gathered now (the persistent ones, those engine.gathered holds) take the new values,
     // one at a time (shards on disk read in for the gather and freed again).
     CollectiveLabel label(comm_, "after load_state");

@@ -92,7 +92,7 @@ void Unit::gather(bool wait, const char* phase) {
     if (pending_.empty()) drop_shards();
     state_ = State::kGathering;
     frozen_kept_ = false;
-    if (!persistent_) owner_.fetch().count_gather();
+    if (!persistent_ && adds > 0) owner_.fetch().count_gather();
     owner_.fetch().add_gathered(adds);
   }
   if (state_ == State::kGathering) ZEAL_TRACE("gather");
@@ -185,15 +185,19 @@ int64_t Unit::missing_elems() const {
   return numel_ - (frozen_kept_ ? frozen_numel_ : 0);
 }
 
+void Unit::drop_kept() {
+  if (state_ != State::kReleased || !frozen_kept_) return;
+  free_storage(frozen_.full);
+  frozen_kept_ = false;
+  owner_.fetch().sub_gathered(frozen_.bytes());
+  ZEAL_TRACE("release (kept frozen part)");
+}
+
 void Unit::release(bool keep_frozen) {
   if (persistent_ || holds_ > 0) return;
   keep_frozen = keep_frozen && frozen_.layout;
   if (state_ == State::kReleased) {
-    if (!frozen_kept_ || keep_frozen) return;
-    free_storage(frozen_.full);
-    frozen_kept_ = false;
-    owner_.fetch().sub_gathered(frozen_.bytes());
-    ZEAL_TRACE("release (kept frozen part)");
+    if (!keep_frozen) drop_kept();
     return;
   }
   wait_gather();
@@ -223,8 +227,9 @@ void Unit::pre_forward() {
 
 void Unit::post_forward() {
   if (state_ == State::kInBackward || persistent_) return;
-  if (at::GradMode::is_enabled() && owner_.fetch().reused_soon(*this)) return;
-  release();
+  const bool training = at::GradMode::is_enabled();
+  if (training && owner_.fetch().reused_soon(*this)) return;
+  release(/*keep_frozen=*/training && owner_.fetch().frozen_reused(*this));
 }
 
 void Unit::pre_backward() {

@@ -13,15 +13,18 @@
 // and the lifecycle points, named after the moment they run:
 //   pre_forward    the block's forward is about to run: gather (or take the prefetch) and wait
 //   post_forward   its forward returned: release, unless the unit is persistent, reused soon, or
-//                  inside its own backward (a recomputation)
+//                  inside its own backward (a recomputation); in a training pass its frozen part
+//                  may stay (kept, as below)
 //   pre_backward   the gradient of its output is ready: its backward is next, gather again
 //   post_backward  every op of its backward has run (the identity on its inputs fired, or the
 //                  backward ended for a unit whose inputs need no gradient): release; the frozen
 //                  part stays (kept) when the recorded order uses the unit again, the next pass
-//                  included, within stage3_max_reuse_distance and stage3_max_live_parameters
-//                  allow it: no step changes frozen values, so the next gather brings only the
-//                  trainable part (a LoRA unit: its adapters). Dropped by any other release and
-//                  when a state load changes the shards.
+//                  included, within stage3_max_reuse_distance (and within
+//                  stage3_max_live_parameters elements of other units) while the gathered bytes
+//                  stay within stage3_max_live_parameters: no step changes frozen values, so the
+//                  next gather brings only the trainable part (a LoRA unit: its adapters). Dropped
+//                  by any other release, when the recorded order changes, and when a state load
+//                  changes the shards.
 // Its gradients in one backward (Grads): kIdle → kArriving (some arrived, staged) → kComplete (all
 // arrived, or the backward ended) → kReduced (reduce-scattered into this rank's gradient shard).
 // Reductions run in one fixed order on every rank (Stage3), not in arrival order.
@@ -102,6 +105,8 @@ class Unit {
   int64_t missing_bytes() const;
   int64_t missing_elems() const;
   bool frozen_kept() const { return frozen_kept_; }
+  // Frees a kept frozen part (a persistent unit's too: the root keeps its own through a step).
+  void drop_kept();
   // offload_param nvme. shards_to_disk: after build, each part's shard gets a region in the swap
   // file, is written there and freed. load_shards: the shards on disk without storage are read
   // back (of the trainable part only, when `trainable_only`). store_shards: writes the trainable

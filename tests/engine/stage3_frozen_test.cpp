@@ -3,11 +3,13 @@
 // and the root's frozen part stays through the optimizer step, because no step changes frozen values.
 // What every rank receives per step (the kernel's count for its TCP sockets) drops by
 // those bytes; the values stay those of stage 0 bit for bit through an eval forward, a frozen
-// weight changed by engine.gathered(params, 0), and a load_state that brings older frozen values.
+// weight changed by engine.gathered(params, 0), and a load_state that brings older frozen values,
+// with the blocks' shards in memory and on disk (offload_param nvme).
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <netinet/in.h>
 #include <linux/tcp.h>  // struct tcp_info with tcpi_bytes_received
@@ -15,6 +17,8 @@
 
 #include <cstddef>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <string>
 
 #include "engine/zero/sharded.h"
@@ -78,6 +82,24 @@ int64_t bytes_read() {
   return total;
 }
 
+// Writes `tensors` (fp32) as dir/model.safetensors, as transformers would.
+void write_safetensors(const std::string& dir, const std::map<std::string, at::Tensor>& tensors) {
+  std::filesystem::create_directories(dir);
+  nlohmann::json header = nlohmann::json::object();
+  std::string data;
+  for (const auto& [name, t] : tensors) {
+    const at::Tensor c = t.detach().to(at::kFloat).contiguous();
+    const size_t begin = data.size();
+    data.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
+    header[name] = {{"dtype", "F32"}, {"shape", c.sizes().vec()}, {"data_offsets", {begin, data.size()}}};
+  }
+  const std::string h = header.dump();
+  const uint64_t n = h.size();
+  std::ofstream f(dir + "/model.safetensors", std::ios::binary);
+  f.write(reinterpret_cast<const char*>(&n), 8);
+  f << h << data;
+}
+
 struct FrozenRun {
   at::Tensor params;          // rank 0's final parameters (every rank checked equal)
   std::vector<double> bytes;  // rank 0's bytes read per step
@@ -88,7 +110,7 @@ constexpr int kSteps = 7;
 // Trains the classifier for kSteps AdamW steps on 2 ranks at `stage`: a checkpoint after step 1, an
 // eval forward after step 2, rank 0 halving block 1's frozen weight through engine.gathered after
 // step 3, the checkpoint loaded back after step 4 (its frozen values are the older ones).
-FrozenRun train(int stage, int64_t reuse, const std::string& name) {
+FrozenRun train(int stage, int64_t reuse, const std::string& name, bool param_nvme = false) {
   const int world = 2;
   const std::string dir = temp_dir(name);
   auto results = zeal::spawn(
@@ -97,6 +119,11 @@ FrozenRun train(int stage, int64_t reuse, const std::string& name) {
         c.zero.stage = stage;
         c.zero.stage3_param_persistence_threshold = {0, false};
         c.zero.stage3_max_reuse_distance = reuse;
+        if (param_nvme) {  // every block's shards on disk between uses
+          c.zero.offload_param.device = zeal::OffloadDevice::kNvme;
+          c.zero.offload_param.nvme_path = dir;
+          c.zero.offload_param.max_in_cpu = 0;
+        }
         zeal::Engine engine(c, rt);
         zeal_test::seed(11);
         Classifier model;
@@ -151,8 +178,10 @@ TEST(Stage3Frozen, FrozenPartsStayGatheredAcrossStepsWithStageZerosValues) {
   const FrozenRun zero = train(0, 1'000'000'000, "frozen0");
   const FrozenRun kept_frozen = train(3, 1'000'000'000, "frozen3");
   const FrozenRun regathered = train(3, 0, "frozen3_reuse0");  // units' frozen parts gathered every step
+  const FrozenRun on_disk = train(3, 1'000'000'000, "frozen3_nvme", /*param_nvme=*/true);
   EXPECT_TRUE(at::equal(kept_frozen.params, zero.params)) << "two ranks, one micro-step: the same sums as stage 0";
   EXPECT_TRUE(at::equal(regathered.params, zero.params));
+  EXPECT_TRUE(at::equal(on_disk.params, zero.params)) << "offload_param nvme";
 
   // Elements, fp32: what each rank receives of an all-gather is half the buffer.
   const double unit_frozen = 3.0 * (kDim * kDim + kDim) * 4 / 2, root_frozen = double(kVocab * kDim) * 4 / 2;
@@ -166,7 +195,79 @@ TEST(Stage3Frozen, FrozenPartsStayGatheredAcrossStepsWithStageZerosValues) {
                 step, kept_frozen.bytes[step], regathered.bytes[step], unit_frozen, root_frozen, trainable);
     // Kept: the trainable parts' gathers and reductions and the collectives' own messages only.
     EXPECT_LT(kept_frozen.bytes[step], 0.25 * (unit_frozen + root_frozen)) << "step " << step;
+    EXPECT_LT(on_disk.bytes[step], 0.25 * (unit_frozen + root_frozen)) << "offload_param nvme, step " << step;
     // The measurement sees the units' frozen gathers where they are not kept.
     EXPECT_GE(regathered.bytes[step] - kept_frozen.bytes[step], 0.9 * unit_frozen) << "step " << step;
   }
+}
+
+// load_checkpoint_in_model into modules inside a prepared model (the root's frozen embedding, one
+// block with its frozen weights and trainable adapter), names relative to the module: the values
+// reach every rank's shards and master weights, as at stage 0 — the export right after equals stage
+// 0's, and training on gives stage 0's parameters bit for bit.
+TEST(Stage3Frozen, WeightsLoadedIntoASubmoduleReachTheShards) {
+  const int world = 2;
+  const std::string files = temp_dir("frozen_sub_files");
+  {
+    zeal_test::seed(99);  // other values than the model's
+    Classifier donor;
+    write_safetensors(files + "/wte", {{"weight", donor->wte->weight}});
+    write_safetensors(files + "/block1", {{"base.weight", donor->blocks[1]->inner->base->weight},
+                                          {"base.bias", donor->blocks[1]->inner->base->bias},
+                                          {"a.weight", donor->blocks[1]->inner->a->weight},
+                                          {"b.weight", donor->blocks[1]->inner->b->weight}});
+  }
+  std::map<int, std::string> out;
+  for (int stage : {0, 3}) {
+    const std::string dir = temp_dir("frozen_sub_" + std::to_string(stage));
+    out[stage] = dir;
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Config c = zeal_test::test_config();
+          c.zero.stage = stage;
+          c.zero.stage3_param_persistence_threshold = {0, false};
+          zeal::Engine engine(c, rt);
+          zeal_test::seed(11);
+          Classifier model;
+          std::vector<at::Tensor> trainable;
+          for (auto& p : model->parameters())
+            if (p.requires_grad()) trainable.push_back(p);
+          torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2));
+          auto [m, o] = engine.prepare(model, opt);
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+          const at::Tensor ids = at::randint(0, kVocab, {4 * world * 4, 8}, gen);
+          const at::Tensor labels = at::randint(0, kClasses, {4 * world * 4}, gen);
+          const int me = engine.process_index();
+          auto step = [&](int k) {
+            const int64_t first = (k * world + me) * 4;
+            engine.backward(torch::nn::functional::cross_entropy(m->forward(ids.narrow(0, first, 4)),
+                                                                 labels.narrow(0, first, 4)));
+            o.step();
+            o.zero_grad();
+          };
+          step(0);
+          step(1);  // frozen parts kept from here
+          if (zeal::load_checkpoint_in_model(*model->wte, files + "/wte") != 1) throw zeal::Error("wte: not 1 tensor");
+          if (zeal::load_checkpoint_in_model(*model->blocks[1]->inner, files + "/block1") != 4)
+            throw zeal::Error("block1: not 4 tensors");
+          engine.save_model(dir + "/export");
+          step(2);
+          step(3);
+          auto g = engine.gathered();
+          write_tensor(dir + "/params_" + std::to_string(me), flat_params(*m));
+        },
+        world);
+    ASSERT_EQ(zeal::describe_failures(results), "") << "stage " << stage;
+    EXPECT_TRUE(at::equal(read_tensor(dir + "/params_1"), read_tensor(dir + "/params_0"))) << "stage " << stage;
+  }
+  // Each export read into a fresh model (the files order their tensors differently).
+  auto exported = [](const std::string& dir) {
+    zeal_test::seed(5);
+    Classifier fresh;
+    if (zeal::load_checkpoint_in_model(*fresh, dir) != 15) ADD_FAILURE() << dir << ": not 15 tensors";
+    return flat_params(*fresh);
+  };
+  EXPECT_TRUE(at::equal(exported(out[3] + "/export"), exported(out[0] + "/export"))) << "the export right after the loads";
+  EXPECT_TRUE(at::equal(read_tensor(out[3] + "/params_0"), read_tensor(out[0] + "/params_0")))
+      << "trained on after the loads";
 }
