@@ -248,14 +248,18 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
                                                  : default_staging_budget(runtime_->local_world_size()) + kept / 2;
       int64_t bytes = 0;
       for (const auto& e : plan.entries) bytes += e.bytes;
-      const bool whole = budget >= bytes + (1 << 20);
-      budget = std::min(budget, bytes + (1 << 20));
+      // Where the state fits, the staging is whole chunks that hold it all (a kept one then holds
+      // the whole state for the next save).
+      const int64_t whole_bytes = Staging::whole_bytes(bytes);
+      const bool whole = budget >= whole_bytes;
+      budget = std::min(budget, whole_bytes);
       // Writes wait for the copy only when kept staging holds the whole state (the copy then runs at
       // memory speed with the cores to itself); into fresh staging they start at once, so the copy
       // reuses written chunks where faulting in fresh pages is slower than the disk (checkpoint_bench
       // on a VM whose host reclaims free memory: 0.83 of a whole save blocked against 1.63 held).
       const bool hold = whole && keep && kept >= budget;
-      staging = std::make_shared<Staging>(budget, keep ? state_->staging_pool : nullptr, hold);
+      staging = std::make_shared<Staging>(budget, keep ? state_->staging_pool : nullptr, hold,
+                                          whole ? Staging::chunk_for(bytes + (1 << 20)) : 0);
       const double timeout = config_.launch.comm_timeout;
       // The background thread: writes the staged chunks, publishes this rank's report next to its
       // file; rank 0 then waits for every rank's report and completes the checkpoint.

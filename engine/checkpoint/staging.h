@@ -89,8 +89,16 @@ class Staging : public Sink {
   using Chunk = StagingChunk;
   // hold: the budget holds the whole state, so the writes wait until the copy is done (the copy,
   // which the training waits for, then has the cores to itself; DCP stages before it uploads too).
-  explicit Staging(int64_t budget, std::shared_ptr<StagingPool> pool = nullptr, bool hold = false)
-      : chunk_(std::clamp<int64_t>(budget / 4, 64 << 10, 32 << 20)),
+  // The chunk size a budget gets.
+  static int64_t chunk_for(int64_t budget) { return std::clamp<int64_t>(budget / 4, 64 << 10, 32 << 20); }
+  // Bytes of whole chunks that hold a state of `bytes` (and its file's header).
+  static int64_t whole_bytes(int64_t bytes) {
+    const int64_t need = bytes + (1 << 20), chunk = chunk_for(need);
+    return (need + chunk - 1) / chunk * chunk;
+  }
+  // `budget`: whole_bytes(state) when the state fits (whole chunks of chunk_for(state + 1 MiB)).
+  explicit Staging(int64_t budget, std::shared_ptr<StagingPool> pool = nullptr, bool hold = false, int64_t chunk = 0)
+      : chunk_(chunk > 0 ? chunk : chunk_for(budget)),
         max_(std::max<int64_t>(2, hold ? (budget + chunk_ - 1) / chunk_ : budget / chunk_)),
         pool_(std::move(pool)),
         hold_(hold) {}
