@@ -121,8 +121,8 @@ struct SaveModelOptions {
 // "block" level left out; LoRA adapter tensors a file lacks keep their values), converting the
 // dtype; a missing name or a shape that
 // differs is a zeal::Error naming it (nothing is changed then). For a model an engine prepared
-// with its optimizer, or a module inside one (its names relative to that module), every rank calls
-// it (collective) and reads only the elements it holds (its shards under stage 3), and the fp32
+// with its optimizer, or a module inside one (its names relative to that module; a parameter tied
+// to one outside it is loaded too), every rank calls it (collective) and reads only the elements it holds (its shards under stage 3), and the fp32
 // master weights take the values too; the optimizer's state stays. Returns the number of tensors
 // read.
 int64_t load_checkpoint_in_model(torch::nn::Module& model, const std::string& dir);
@@ -200,9 +200,10 @@ struct SaveStateOptions {
   int64_t staging_bytes = 0;
   // async: keep that host memory after the save for the next asynchronous save (DCP's
   // cache_staged_state_dict), whose copy then runs at memory speed instead of faulting in fresh
-  // pages (docs/checkpoints.md); the default staging_bytes counts it as memory available. It
-  // stays held (up to the state's size per rank, kept_staging_bytes()) until a save without this
-  // option, a load_state, release_kept_staging() or the engine's end releases it.
+  // pages (docs/checkpoints.md); the default staging_bytes counts it as memory available. Where
+  // the state fits the budget it is whole chunks holding the state (at most one chunk, 32 MiB,
+  // more; kept_staging_bytes()); it stays held until a save without this option, a load_state,
+  // release_kept_staging() or the engine's end releases it.
   bool keep_staging = false;
 };
 

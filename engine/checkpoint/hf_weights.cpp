@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -172,34 +173,47 @@ namespace detail {
 
 int64_t load_mapped(torch::nn::Module& model, const std::string& path,
                     const std::function<std::string(const std::string&)>& map) {
-  // The engine that prepared `model`, or a model that holds it (a submodule: its names there start
-  // with `prefix`). Its parameters' values live in the engine's shards and master weights: loaded
-  // through it, whichever module the program names.
+  // The engine that prepared `model`, or the model one prepared that holds it (a module inside it).
+  // Its parameters' values live in that engine's shards and master weights: loaded through it, the
+  // names relative to `model` (a tied parameter under whichever name the prepared model gives it).
   Engine* engine = nullptr;
-  const torch::nn::Module* root = &model;
-  std::string prefix;
+  torch::nn::Module* root = nullptr;
   {
     std::lock_guard<std::mutex> lock(prepared_mu);
     auto it = prepared_modules.find(&model);
     if (it != prepared_modules.end()) engine = it->second;
     for (auto p = prepared_modules.begin(); !engine && p != prepared_modules.end(); ++p) {
-      for (const auto& sub : p->first->named_modules("", /*include_self=*/false)) {
+      // The engine's own handle on its model (alive while the engine is), not the key.
+      const auto& held = p->second->state_->module;
+      if (!held) continue;
+      for (const auto& sub : held->named_modules("", /*include_self=*/false)) {
         if (sub.value().get() != &model) continue;
         engine = p->second;
-        root = p->first;
-        prefix = sub.key() + ".";
+        root = held.get();
         break;
       }
     }
   }
-  if (engine) {
-    const auto in_model = [&](const std::string& name) {
-      return name.rfind(prefix, 0) == 0 ? map(name.substr(prefix.size())) : std::string();
+  if (engine && !root) {
+    if (const int64_t n = engine->load_weights_sharded(model, path, map); n >= 0) return n;
+  } else if (engine) {
+    std::unordered_map<const void*, std::string> relative;  // model's tensors → their names in it
+    for (const auto& item : model.named_parameters(true)) relative.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    for (const auto& item : model.named_buffers(true)) relative.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    std::unordered_map<std::string, std::string> in_model;  // the prepared model's names → model's
+    for (const auto& item : root->named_parameters(true)) {
+      auto r = relative.find(item.value().unsafeGetTensorImpl());
+      if (r != relative.end()) in_model.emplace(item.key(), r->second);
+    }
+    for (const auto& item : root->named_buffers(true)) {
+      auto r = relative.find(item.value().unsafeGetTensorImpl());
+      if (r != relative.end()) in_model.emplace(item.key(), r->second);
+    }
+    const auto mapped = [&](const std::string& name) {
+      auto r = in_model.find(name);
+      return r == in_model.end() ? std::string() : map(r->second);
     };
-    auto& target = const_cast<torch::nn::Module&>(*root);
-    const int64_t n = prefix.empty() ? engine->load_weights_sharded(target, path, map)
-                                     : engine->load_weights_sharded(target, path, in_model);
-    if (n >= 0) return n;
+    if (const int64_t n = engine->load_weights_sharded(*root, path, mapped); n >= 0) return n;
   }
   HfWeights w{fs::path(path)};
   struct Target {

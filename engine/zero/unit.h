@@ -22,9 +22,10 @@
 //                  included, within stage3_max_reuse_distance (and within
 //                  stage3_max_live_parameters elements of other units) while the gathered bytes
 //                  stay within stage3_max_live_parameters: no step changes frozen values, so the
-//                  next gather brings only the trainable part (a LoRA unit: its adapters). Dropped
-//                  by any other release, when the recorded order changes, and when a state load
-//                  changes the shards.
+//                  next gather brings only the trainable part (a LoRA unit: its adapters). Kept
+//                  through the step and the backward's end; dropped by any other release (an
+//                  eval pass, engine.gathered()), when the recorded order changes, and when a
+//                  state load changes the shards.
 // Its gradients in one backward (Grads): kIdle → kArriving (some arrived, staged) → kComplete (all
 // arrived, or the backward ended) → kReduced (reduce-scattered into this rank's gradient shard).
 // Reductions run in one fixed order on every rank (Stage3), not in arrival order.

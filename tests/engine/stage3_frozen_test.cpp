@@ -100,6 +100,29 @@ void write_safetensors(const std::string& dir, const std::map<std::string, at::T
   f << h << data;
 }
 
+// The config both tests train under: `stage`, no unit persistent, the reuse distance given, and
+// with `param_swap` set every block's shards on disk there (offload_param nvme).
+zeal::Config frozen_config(int stage, int64_t reuse, const std::string& param_swap = "") {
+  zeal::Config c = zeal_test::test_config();
+  c.zero.stage = stage;
+  c.zero.stage3_param_persistence_threshold = {0, false};
+  c.zero.stage3_max_reuse_distance = reuse;
+  if (!param_swap.empty()) {
+    c.zero.offload_param.device = zeal::OffloadDevice::kNvme;
+    c.zero.offload_param.nvme_path = param_swap;
+    c.zero.offload_param.max_in_cpu = 0;
+  }
+  return c;
+}
+
+// The seeded classifier's trainable parameters (the adapters and the head).
+std::vector<at::Tensor> trainable_of(Classifier& model) {
+  std::vector<at::Tensor> out;
+  for (auto& p : model->parameters())
+    if (p.requires_grad()) out.push_back(p);
+  return out;
+}
+
 struct FrozenRun {
   at::Tensor params;          // rank 0's final parameters (every rank checked equal)
   std::vector<double> bytes;  // rank 0's bytes read per step
@@ -115,22 +138,10 @@ FrozenRun train(int stage, int64_t reuse, const std::string& name, bool param_nv
   const std::string dir = temp_dir(name);
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
-        zeal::Config c = zeal_test::test_config();
-        c.zero.stage = stage;
-        c.zero.stage3_param_persistence_threshold = {0, false};
-        c.zero.stage3_max_reuse_distance = reuse;
-        if (param_nvme) {  // every block's shards on disk between uses
-          c.zero.offload_param.device = zeal::OffloadDevice::kNvme;
-          c.zero.offload_param.nvme_path = dir;
-          c.zero.offload_param.max_in_cpu = 0;
-        }
-        zeal::Engine engine(c, rt);
+        zeal::Engine engine(frozen_config(stage, reuse, param_nvme ? dir : ""), rt);
         zeal_test::seed(11);
         Classifier model;
-        std::vector<at::Tensor> trainable;
-        for (auto& p : model->parameters())
-          if (p.requires_grad()) trainable.push_back(p);
-        torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2));
+        torch::optim::AdamW opt(trainable_of(model), torch::optim::AdamWOptions(1e-2));
         auto [m, o] = engine.prepare(model, opt);
         auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
         const at::Tensor ids = at::randint(0, kVocab, {kSteps * world * 4, 8}, gen);
@@ -223,16 +234,10 @@ TEST(Stage3Frozen, WeightsLoadedIntoASubmoduleReachTheShards) {
     out[stage] = dir;
     auto results = zeal::spawn(
         [&](zeal::Runtime& rt) {
-          zeal::Config c = zeal_test::test_config();
-          c.zero.stage = stage;
-          c.zero.stage3_param_persistence_threshold = {0, false};
-          zeal::Engine engine(c, rt);
+          zeal::Engine engine(frozen_config(stage, 1'000'000'000), rt);
           zeal_test::seed(11);
           Classifier model;
-          std::vector<at::Tensor> trainable;
-          for (auto& p : model->parameters())
-            if (p.requires_grad()) trainable.push_back(p);
-          torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2));
+          torch::optim::AdamW opt(trainable_of(model), torch::optim::AdamWOptions(1e-2));
           auto [m, o] = engine.prepare(model, opt);
           auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
           const at::Tensor ids = at::randint(0, kVocab, {4 * world * 4, 8}, gen);
@@ -250,6 +255,18 @@ TEST(Stage3Frozen, WeightsLoadedIntoASubmoduleReachTheShards) {
           if (zeal::load_checkpoint_in_model(*model->wte, files + "/wte") != 1) throw zeal::Error("wte: not 1 tensor");
           if (zeal::load_checkpoint_in_model(*model->blocks[1]->inner, files + "/block1") != 4)
             throw zeal::Error("block1: not 4 tensors");
+          {  // the values now those of the files, on every rank
+            auto g = engine.gathered();
+            zeal_test::seed(99);
+            Classifier donor;
+            const auto& mine = model->blocks[1]->inner;
+            const auto& theirs = donor->blocks[1]->inner;
+            if (!at::equal(model->wte->weight, donor->wte->weight) || !at::equal(mine->base->weight, theirs->base->weight) ||
+                !at::equal(mine->base->bias, theirs->base->bias) || !at::equal(mine->a->weight, theirs->a->weight) ||
+                !at::equal(mine->b->weight, theirs->b->weight)) {
+              throw zeal::Error("the loaded modules do not hold the files' values");
+            }
+          }
           engine.save_model(dir + "/export");
           step(2);
           step(3);
