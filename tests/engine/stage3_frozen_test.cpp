@@ -5,6 +5,7 @@
 // those bytes; the values stay those of stage 0 bit for bit through an eval forward, a frozen
 // weight changed by engine.gathered(params, 0), and a load_state that brings older frozen values,
 // with the blocks' shards in memory and on disk (offload_param nvme).
+// Also on three ranks with two micro-steps a step, against the same run gathering every time.
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
@@ -130,36 +131,44 @@ struct FrozenRun {
 
 constexpr int kSteps = 7;
 
-// Trains the classifier for kSteps AdamW steps on 2 ranks at `stage`: a checkpoint after step 1, an
-// eval forward after step 2, rank 0 halving block 1's frozen weight through engine.gathered after
-// step 3, the checkpoint loaded back after step 4 (its frozen values are the older ones).
-FrozenRun train(int stage, int64_t reuse, const std::string& name, bool param_nvme = false) {
-  const int world = 2;
+// Trains the classifier for kSteps AdamW steps on `world` ranks at `stage`, each step `accumulation`
+// micro-steps: a checkpoint after step 1, an eval forward after step 2, rank 0 halving block 1's
+// frozen weight through engine.gathered after step 3, the checkpoint loaded back after step 4 (its
+// frozen values are the older ones).
+FrozenRun train(int stage, int64_t reuse, const std::string& name, bool param_nvme = false, int world = 2,
+                int accumulation = 1) {
   const std::string dir = temp_dir(name);
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
-        zeal::Engine engine(frozen_config(stage, reuse, param_nvme ? dir : ""), rt);
+        zeal::Config config = frozen_config(stage, reuse, param_nvme ? dir : "");
+        config.gradient_accumulation_steps = {accumulation, false};
+        zeal::Engine engine(config, rt);
         zeal_test::seed(11);
         Classifier model;
         torch::optim::AdamW opt(trainable_of(model), torch::optim::AdamWOptions(1e-2));
         auto [m, o] = engine.prepare(model, opt);
         auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
-        const at::Tensor ids = at::randint(0, kVocab, {kSteps * world * 4, 8}, gen);
-        const at::Tensor labels = at::randint(0, kClasses, {kSteps * world * 4}, gen);
+        const int64_t rows = kSteps * accumulation * world * 4;
+        const at::Tensor ids = at::randint(0, kVocab, {rows, 8}, gen);
+        const at::Tensor labels = at::randint(0, kClasses, {rows}, gen);
         const int me = engine.process_index();
         std::vector<double> per_step;
         for (int step = 0; step < kSteps; ++step) {
-          const int64_t first = (step * world + me) * 4;
-          const int64_t before = bytes_read();
-          at::Tensor logits = m->forward(ids.narrow(0, first, 4));
-          engine.backward(torch::nn::functional::cross_entropy(logits, labels.narrow(0, first, 4)));
-          o.step();
-          o.zero_grad();
+          const int64_t before = bytes_read(), steps_before = engine.optimizer_steps();
+          for (int micro = 0; micro < accumulation; ++micro) {
+            const int64_t first = ((step * accumulation + micro) * world + me) * 4;
+            auto guard = engine.accumulate(m);
+            at::Tensor logits = m->forward(ids.narrow(0, first, 4));
+            engine.backward(torch::nn::functional::cross_entropy(logits, labels.narrow(0, first, 4)));
+            o.step();
+            o.zero_grad();
+          }
+          if (engine.optimizer_steps() != steps_before + 1) throw zeal::Error("the accumulation did not step once a step");
           per_step.push_back(static_cast<double>(bytes_read() - before));
           if (step == 1) engine.save_state(dir + "/ckpt");
           if (step == 2) {
             c10::NoGradGuard eval;
-            (void)m->forward(ids.narrow(0, first, 4));
+            (void)m->forward(ids.narrow(0, me * 4, 4));
           }
           if (step == 3) {
             at::Tensor w = model->blocks[1]->inner->base->weight;
@@ -177,7 +186,7 @@ FrozenRun train(int stage, int64_t reuse, const std::string& name, bool param_nv
   EXPECT_EQ(zeal::describe_failures(results), "");
   FrozenRun r;
   r.params = read_tensor(dir + "/params_0");
-  EXPECT_TRUE(at::equal(read_tensor(dir + "/params_1"), r.params));
+  for (int k = 1; k < world; ++k) EXPECT_TRUE(at::equal(read_tensor(dir + "/params_" + std::to_string(k)), r.params));
   const at::Tensor b = read_tensor(dir + "/bytes_0");
   r.bytes.assign(b.data_ptr<double>(), b.data_ptr<double>() + b.numel());
   return r;
@@ -209,6 +218,31 @@ TEST(Stage3Frozen, FrozenPartsStayGatheredAcrossStepsWithStageZerosValues) {
     EXPECT_LT(on_disk.bytes[step], 0.25 * (unit_frozen + root_frozen)) << "offload_param nvme, step " << step;
     // The measurement sees the units' frozen gathers where they are not kept.
     EXPECT_GE(regathered.bytes[step] - kept_frozen.bytes[step], 0.9 * unit_frozen) << "step " << step;
+  }
+}
+
+// Three ranks, two micro-steps a step: the frozen parts stay gathered across the micro-steps and the
+// steps, with the bits of the same run that gathers them every time (stage3_max_reuse_distance 0;
+// the sums are stage 3's own either way) and stage 0's values within float32 rounding (three ranks
+// sum in another order).
+TEST(Stage3Frozen, ThreeRanksWithAccumulationKeepFrozenPartsWithTheSameBits) {
+  const FrozenRun zero = train(0, 1'000'000'000, "frozen0_w3", false, 3, 2);
+  const FrozenRun kept_frozen = train(3, 1'000'000'000, "frozen3_w3", false, 3, 2);
+  const FrozenRun regathered = train(3, 0, "frozen3_w3_reuse0", false, 3, 2);
+  EXPECT_TRUE(at::equal(kept_frozen.params, regathered.params));
+  EXPECT_TRUE(at::allclose(kept_frozen.params, zero.params, 1e-5, 1e-6))
+      << "largest difference " << (kept_frozen.params - zero.params).abs().max().item<double>();
+  // What a rank receives of an all-gather over 3 ranks: two thirds of the buffer.
+  const double unit_frozen = 3.0 * (kDim * kDim + kDim) * 4 * 2 / 3, root_frozen = double(kVocab * kDim) * 4 * 2 / 3;
+  for (int step : {2, 6}) {
+    std::printf("[ metric ] 3 ranks, 2 micro-steps, step %d: bytes received by rank 0: kept %.0f, units regathered "
+                "%.0f; frozen shares %.0f (units) + %.0f (root)\n",
+                step, kept_frozen.bytes[step], regathered.bytes[step], unit_frozen, root_frozen);
+    // Kept: less than the root's frozen share alone (three ranks' collectives carry more of their own
+    // messages than two ranks' do), and a unit's share more were it gathered once a step.
+    EXPECT_LT(kept_frozen.bytes[step], root_frozen) << "step " << step;
+    // Two micro-steps: the units' frozen parts gathered at least twice a step without keeping.
+    EXPECT_GE(regathered.bytes[step] - kept_frozen.bytes[step], 1.8 * unit_frozen) << "step " << step;
   }
 }
 
