@@ -389,6 +389,8 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   json m;
   std::map<std::string, ckpt::SavedFile> files_;
   std::string error;
+  auto t_read = std::chrono::steady_clock::now();  // where pass one begins (ZEAL_LOG_LEVEL=debug times it)
+  int64_t pass_bytes = 0;
   try {
     z.begin_state_access();
     if (!fs::exists(dir / "manifest.json")) {
@@ -523,12 +525,17 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     // the first (the page cache is the kernel's to give back, not this process's).
     reader = std::make_unique<ckpt::CheckedReader>(32 << 20, /*direct=*/!kept.empty() || reads.empty());
     reader->read_many(buffer_reads);
+    t_read = std::chrono::steady_clock::now();
     reader->read_many(reads);  // pass one: checked (and kept, within the budget)
+    for (const auto& r : reads) pass_bytes += r.n;
   } catch (const std::exception& e) {
     error = e.what();
   }
+  const auto t_checked = std::chrono::steady_clock::now();
   // Nothing changes unless every rank read and checked everything it needs.
   const std::string failed = agreed_failures(*this, error);
+  const auto t_agreed = std::chrono::steady_clock::now();
+  const bool read_once = !kept.empty();
   if (!failed.empty()) {
     z.end_state_access(/*changed=*/false);
     throw Error(fmt::format("load_state: {}: nothing was changed:{}", dir.string(), failed));
@@ -553,6 +560,14 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     reread = e.what();
   }
   z.end_state_access(/*changed=*/true);
+  const auto t_applied = std::chrono::steady_clock::now();
+  const auto secs = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+  log::debug("load_state: {} bytes {}: read and checked in {:.2f} s ({:.2f} GB/s), the ranks agreed in {:.2f} s, {} in "
+             "{:.2f} s ({:.2f} GB/s)",
+             pass_bytes, read_once ? "read once" : "in two passes", secs(t_read, t_checked),
+             pass_bytes / std::max(1e-9, secs(t_read, t_checked)) / 1e9, secs(t_checked, t_agreed),
+             read_once ? "applied" : "read again and applied", secs(t_agreed, t_applied),
+             pass_bytes / std::max(1e-9, secs(t_agreed, t_applied)) / 1e9);
   if (const std::string again = agreed_failures(*this, reread); !again.empty()) {
     throw Error(fmt::format("load_state: {}: the checkpoint was checked, then failed when read again to be applied "
                             "(did it change meanwhile?): the model and optimizer are now partly loaded; load a "

@@ -620,14 +620,17 @@ void TrainerCore::update_best(const Metrics& metrics) {
 void TrainerCore::save_checkpoint() {
   const std::string dir = (fs::path(args_.output_dir) / fmt::format("checkpoint-{}", state_.global_step)).string();
   if (state_.best_metric && state_.best_global_step == state_.global_step) state_.best_model_checkpoint = dir;
+  MemoryTracker save(engine_, "save");
   engine_.save_state(dir);
+  const PhaseMemory saved = save.end(false);
   if (engine_.is_main_process()) {
     write_file_whole((fs::path(dir) / "trainer_state.json").string(), state_.to_json(), "trainer_state.json");
     rotate_checkpoints(dir);
   }
   engine_.wait_for_everyone();
   loop_->last_saved = state_.global_step;
-  say("zeal: saved " + dir);
+  say(fmt::format("zeal: saved {}; the save's peak resident set {} (rank 0)", dir,
+                  format_bytes(static_cast<double>(saved.cpu.peak))));
   for (auto& cb : callbacks_) cb->on_save(args_, state_, control_, dir);
 }
 
