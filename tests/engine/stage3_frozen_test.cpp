@@ -136,12 +136,13 @@ constexpr int kSteps = 7;
 // frozen weight through engine.gathered after step 3, the checkpoint loaded back after step 4 (its
 // frozen values are the older ones).
 FrozenRun train(int stage, int64_t reuse, const std::string& name, bool param_nvme = false, int world = 2,
-                int accumulation = 1) {
+                int accumulation = 1, int64_t max_live = 1'000'000'000) {
   const std::string dir = temp_dir(name);
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
         zeal::Config config = frozen_config(stage, reuse, param_nvme ? dir : "");
         config.gradient_accumulation_steps = {accumulation, false};
+        config.zero.stage3_max_live_parameters = max_live;
         zeal::Engine engine(config, rt);
         zeal_test::seed(11);
         Classifier model;
@@ -243,6 +244,27 @@ TEST(Stage3Frozen, ThreeRanksWithAccumulationKeepFrozenPartsWithTheSameBits) {
     EXPECT_LT(kept_frozen.bytes[step], root_frozen) << "step " << step;
     // Two micro-steps: the units' frozen parts gathered at least twice a step without keeping.
     EXPECT_GE(regathered.bytes[step] - kept_frozen.bytes[step], 1.8 * unit_frozen) << "step " << step;
+  }
+}
+
+// stage3_max_live_parameters 10,000 elements, where a block is 4,416 (its frozen part 4,160): the
+// budget holds two blocks' frozen parts beside the block in use, not three. Against the same budget
+// with stage3_max_reuse_distance 0, a step receives two blocks' frozen halves less, not three (nor
+// one), with stage 0's bits.
+TEST(Stage3Frozen, ABudgetForSomeUnitsKeepsOnlyWhatItHolds) {
+  const FrozenRun zero = train(0, 1'000'000'000, "frozen0_live");
+  const FrozenRun some = train(3, 1'000'000'000, "frozen3_live_some", false, 2, 1, 10'000);
+  const FrozenRun none = train(3, 0, "frozen3_live_none", false, 2, 1, 10'000);
+  EXPECT_TRUE(at::equal(some.params, zero.params));
+  EXPECT_TRUE(at::equal(none.params, zero.params));
+  const double unit_share = (kDim * kDim + kDim) * 4 / 2.0;  // one block's frozen part, half of it received
+  for (int step : {2, 6}) {
+    const double saved = none.bytes[step] - some.bytes[step];
+    std::printf("[ metric ] step %d: bytes received by rank 0 within 10,000 live elements: frozen parts kept %.0f, "
+                "none kept %.0f: %.2f blocks' frozen halves less\n",
+                step, some.bytes[step], none.bytes[step], saved / unit_share);
+    EXPECT_GE(saved, 1.8 * unit_share) << "step " << step << ": two blocks keep theirs";
+    EXPECT_LT(saved, 2.5 * unit_share) << "step " << step << ": the third, beyond the budget, does not";
   }
 }
 
