@@ -24,9 +24,11 @@ std::mutex baseline_mu;
 int64_t baseline = 0;
 pid_t baseline_pid = 0;
 
-// The open phases: resetting the high-water mark for a new phase first folds it into theirs.
+// The open phases: resetting the high-water mark for a new phase first folds it into theirs (the
+// resident set's, and the accelerator allocator's peak of allocated bytes).
 std::mutex open_mu;
 std::set<int64_t*> open_peaks;
+std::set<int64_t*> open_device_peaks;
 
 void reset_cpu_peak() {
   std::lock_guard<std::mutex> lock(open_mu);
@@ -67,10 +69,15 @@ MemoryTracker::MemoryTracker(Engine& engine, std::string phase) : engine_(engine
       // The caching allocator exists once the device is initialised: before the first allocation on
       // it, its statistics would be refused ("Invalid device argument").
       at::globalContext().lazyInitDevice(d.type());
-      at::accelerator::resetPeakStats(d.index() < 0 ? 0 : d.index());
-      const auto stats = at::accelerator::getDeviceStats(d.index() < 0 ? 0 : d.index());
-      record_.device.begin = stats.allocated_bytes[0].current;
+      const int index = d.index() < 0 ? 0 : d.index();
+      std::lock_guard<std::mutex> lock(open_mu);
+      const int64_t peak = at::accelerator::getDeviceStats(index).allocated_bytes[0].peak;
+      for (int64_t* p : open_device_peaks) *p = std::max(*p, peak);  // an enclosing phase keeps its peak
+      at::accelerator::resetPeakStats(index);
+      record_.device.begin = at::accelerator::getDeviceStats(index).allocated_bytes[0].current;
+      record_.device.peak = record_.device.begin;
       record_.device.measured = true;
+      open_device_peaks.insert(&record_.device.peak);
     } catch (const std::exception&) {
       record_.device.measured = false;  // an allocator without statistics: CPU lines only
     }
@@ -90,6 +97,7 @@ MemoryTracker::~MemoryTracker() {
   }
   std::lock_guard<std::mutex> lock(open_mu);
   open_peaks.erase(&record_.cpu.peak);
+  open_device_peaks.erase(&record_.device.peak);
 }
 
 PhaseMemory MemoryTracker::now() const {
@@ -107,7 +115,9 @@ PhaseMemory MemoryTracker::now() const {
     const at::Device d = engine_.device();
     const auto stats = at::accelerator::getDeviceStats(d.index() < 0 ? 0 : d.index());
     r.device.end = stats.allocated_bytes[0].current;
-    r.device.peak = std::max<int64_t>(stats.allocated_bytes[0].peak, r.device.end);
+    std::lock_guard<std::mutex> lock(open_mu);
+    record_.device.peak = std::max({record_.device.peak, stats.allocated_bytes[0].peak, r.device.end});
+    r.device.peak = record_.device.peak;
   }
   r.runtime_baseline = detail::runtime_baseline();
   r.engine = engine_.memory();
@@ -124,6 +134,7 @@ const PhaseMemory& MemoryTracker::end(bool print) {
   {
     std::lock_guard<std::mutex> lock(open_mu);
     open_peaks.erase(&record_.cpu.peak);
+    open_device_peaks.erase(&record_.device.peak);
   }
   if (print && engine_.is_main_process()) {
     for (const auto& l : record_.lines()) engine_.print(l);

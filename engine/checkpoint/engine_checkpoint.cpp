@@ -560,20 +560,20 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     reread = e.what();
   }
   z.end_state_access(/*changed=*/true);
-  const auto t_applied = std::chrono::steady_clock::now();
-  const auto secs = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
-  log::debug("load_state: {} bytes {}: read and checked in {:.2f} s ({:.2f} GB/s), the ranks agreed in {:.2f} s, {} in "
-             "{:.2f} s ({:.2f} GB/s)",
-             pass_bytes, read_once ? "read once" : "in two passes", secs(t_read, t_checked),
-             pass_bytes / std::max(1e-9, secs(t_read, t_checked)) / 1e9, secs(t_checked, t_agreed),
-             read_once ? "applied" : "read again and applied", secs(t_agreed, t_applied),
-             pass_bytes / std::max(1e-9, secs(t_agreed, t_applied)) / 1e9);
   if (const std::string again = agreed_failures(*this, reread); !again.empty()) {
     throw Error(fmt::format("load_state: {}: the checkpoint was checked, then failed when read again to be applied "
                             "(did it change meanwhile?): the model and optimizer are now partly loaded; load a "
                             "checkpoint again before training:{}",
                             dir.string(), again));
   }
+  const auto t_applied = std::chrono::steady_clock::now();  // pass two done on every rank
+  const auto secs = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+  log::debug("load_state: {} bytes {}: read and checked in {:.2f} s ({:.2f} GB/s), the ranks agreed (the slower "
+             "one waited for) in {:.2f} s, {} in {:.2f} s ({:.2f} GB/s)",
+             pass_bytes, read_once ? "read once" : "in two passes", secs(t_read, t_checked),
+             pass_bytes / std::max(1e-9, secs(t_read, t_checked)) / 1e9, secs(t_checked, t_agreed),
+             read_once ? "applied" : "read again and applied", secs(t_agreed, t_applied),
+             pass_bytes / std::max(1e-9, secs(t_agreed, t_applied)) / 1e9);
   // Random number generators: each rank its own, when the world size is the one that saved them.
   const int saved_world = m["world_size"].get<int>();
   if (saved_world == c.world_size()) {

@@ -239,9 +239,10 @@ TEST(Stage3Frozen, ThreeRanksWithAccumulationKeepFrozenPartsWithTheSameBits) {
     std::printf("[ metric ] 3 ranks, 2 micro-steps, step %d: bytes received by rank 0: kept %.0f, units regathered "
                 "%.0f; frozen shares %.0f (units) + %.0f (root)\n",
                 step, kept_frozen.bytes[step], regathered.bytes[step], unit_frozen, root_frozen);
-    // Kept: less than the root's frozen share alone (three ranks' collectives carry more of their own
-    // messages than two ranks' do), and a unit's share more were it gathered once a step.
-    EXPECT_LT(kept_frozen.bytes[step], root_frozen) << "step " << step;
+    // Kept: the trainable parts and the collectives' own messages (three ranks' carry more of those
+    // than two ranks' do: about 21 KB here), under three quarters of the root's frozen share, so that
+    // one block's share (11 KB) gathered once a step more would cross it.
+    EXPECT_LT(kept_frozen.bytes[step], 0.75 * root_frozen) << "step " << step;
     // Two micro-steps: the units' frozen parts gathered at least twice a step without keeping.
     EXPECT_GE(regathered.bytes[step] - kept_frozen.bytes[step], 1.8 * unit_frozen) << "step " << step;
   }
