@@ -401,11 +401,12 @@ void Stage3::touched(const std::vector<Unit*>& units, const std::vector<Unit*>& 
   }
   c10::NoGradGuard no_grad;
   // The thread moved on: the units it used before and this op does not use go, unless a training
-  // forward uses them again soon (stage3_max_reuse_distance).
+  // forward uses them again soon (stage3_max_reuse_distance); in a training pass a frozen part used
+  // again within the budget stays (as a zeal::Sharded unit's does).
   for (Unit* prev : touched_) {
     if (std::find(use.begin(), use.end(), prev) != use.end()) continue;
     if (!in_backward && training && fetch_->reused_soon(*prev)) continue;
-    prev->release();
+    prev->release(/*keep_frozen=*/training && fetch_->frozen_reused(*prev));
   }
   const char* phase = in_backward ? "gathered on touch in the backward" : "gathered on touch";
   std::vector<char> fresh(use.size());
@@ -481,6 +482,13 @@ void Stage3::end_backward() {
 }
 
 void Stage3::end_of_backward() {
+  // Units by type name the backward touched last: their frozen parts stay where they are used again
+  // soon; what else they hold goes with every unit's below.
+  for (Unit* u : touched_) {
+    if (u->state() == Unit::State::kGathered && u->holds_ == 0 && !u->persistent()) {
+      u->release(/*keep_frozen=*/fetch_->frozen_reused(*u));
+    }
+  }
   touched_.clear();
   TouchPause pause;
   c10::NoGradGuard no_grad;

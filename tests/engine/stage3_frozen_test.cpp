@@ -64,6 +64,25 @@ struct ClassifierImpl : torch::nn::Module {
 };
 TORCH_MODULE(Classifier);
 
+// The same blocks with no zeal::Sharded around them: units by type name (unit_names: [Adapted]).
+struct ByTypeImpl : torch::nn::Module {
+  ByTypeImpl() {
+    wte = register_module("wte", torch::nn::Embedding(kVocab, kDim));
+    wte->weight.set_requires_grad(false);
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("block" + std::to_string(i), Adapted()));
+    head = register_module("head", torch::nn::Linear(kDim, kClasses));
+  }
+  at::Tensor forward(const at::Tensor& ids) {
+    at::Tensor h = wte(ids);
+    for (auto& blk : blocks) h = blk->forward(h);
+    return head(h.mean(1));
+  }
+  torch::nn::Embedding wte{nullptr};
+  std::vector<Adapted> blocks;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(ByType);
+
 // Bytes this process's TCP sockets have received (the kernel's tcpi_bytes_received): Gloo's traffic
 // between the ranks, and the store's.
 int64_t bytes_read() {
@@ -266,6 +285,66 @@ TEST(Stage3Frozen, ABudgetForSomeUnitsKeepsOnlyWhatItHolds) {
                 step, some.bytes[step], none.bytes[step], saved / unit_share);
     EXPECT_GE(saved, 1.8 * unit_share) << "step " << step << ": two blocks keep theirs";
     EXPECT_LT(saved, 2.5 * unit_share) << "step " << step << ": the third, beyond the budget, does not";
+  }
+}
+
+// Units named by type (unit_names, FSDP's transformer-based wrap): gathered when an op reads their
+// parameters, released when the thread moves on. Their frozen parts stay gathered the same way, with
+// stage 0's bits: 6 steps on 2 ranks, rank 0's bytes per step with and without keeping.
+FrozenRun train_by_type(int stage, int64_t reuse, const std::string& name) {
+  const int world = 2, steps = 6;
+  const std::string dir = temp_dir(name);
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Config config = frozen_config(stage, reuse);
+        if (stage == 3) config.zero.unit_names = {"Adapted"};
+        zeal::Engine engine(config, rt);
+        zeal_test::seed(11);
+        ByType model;
+        std::vector<at::Tensor> trainable;
+        for (auto& p : model->parameters())
+          if (p.requires_grad()) trainable.push_back(p);
+        torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2));
+        auto [m, o] = engine.prepare(model, opt);
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+        const at::Tensor ids = at::randint(0, kVocab, {steps * world * 4, 8}, gen);
+        const at::Tensor labels = at::randint(0, kClasses, {steps * world * 4}, gen);
+        const int me = engine.process_index();
+        std::vector<double> per_step;
+        for (int step = 0; step < steps; ++step) {
+          const int64_t first = (step * world + me) * 4, before = bytes_read();
+          at::Tensor logits = m->forward(ids.narrow(0, first, 4));
+          engine.backward(torch::nn::functional::cross_entropy(logits, labels.narrow(0, first, 4)));
+          o.step();
+          o.zero_grad();
+          per_step.push_back(static_cast<double>(bytes_read() - before));
+        }
+        auto g = engine.gathered();
+        write_tensor(dir + "/params_" + std::to_string(me), flat_params(*m));
+        write_tensor(dir + "/bytes_" + std::to_string(me), at::tensor(per_step, at::kDouble));
+      },
+      world);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+  FrozenRun r;
+  r.params = read_tensor(dir + "/params_0");
+  EXPECT_TRUE(at::equal(read_tensor(dir + "/params_1"), r.params));
+  const at::Tensor b = read_tensor(dir + "/bytes_0");
+  r.bytes.assign(b.data_ptr<double>(), b.data_ptr<double>() + b.numel());
+  return r;
+}
+
+TEST(Stage3Frozen, UnitsNamedByTypeKeepTheirFrozenPartsToo) {
+  const FrozenRun zero = train_by_type(0, 1'000'000'000, "bytype0");
+  const FrozenRun kept_frozen = train_by_type(3, 1'000'000'000, "bytype3");
+  const FrozenRun regathered = train_by_type(3, 0, "bytype3_reuse0");
+  EXPECT_TRUE(at::equal(kept_frozen.params, zero.params));
+  EXPECT_TRUE(at::equal(regathered.params, zero.params));
+  const double unit_frozen = 3.0 * (kDim * kDim + kDim) * 4 / 2;  // the three blocks' frozen halves
+  for (int step : {3, 5}) {
+    std::printf("[ metric ] unit_names, step %d: bytes received by rank 0: frozen parts kept %.0f, regathered %.0f; "
+                "the blocks' frozen halves %.0f\n",
+                step, kept_frozen.bytes[step], regathered.bytes[step], unit_frozen);
+    EXPECT_GE(regathered.bytes[step] - kept_frozen.bytes[step], 0.9 * unit_frozen) << "step " << step;
   }
 }
 
