@@ -25,7 +25,9 @@
 //                  next gather brings only the trainable part (a LoRA unit: its adapters). Kept
 //                  through the step and the backward's end; dropped by any other release (an
 //                  eval pass, engine.gathered()), when the recorded order changes, and when a
-//                  state load changes the shards.
+//                  state load changes the shards. Units by type name (unit_names) have no hooks:
+//                  Stage3 releases them, keeping the same way, when the thread moves on in a
+//                  training pass and at the backward's end.
 // Its gradients in one backward (Grads): kIdle → kArriving (some arrived, staged) → kComplete (all
 // arrived, or the backward ended) → kReduced (reduce-scattered into this rank's gradient shard).
 // Reductions run in one fixed order on every rank (Stage3), not in arrival order.

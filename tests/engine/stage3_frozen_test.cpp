@@ -290,9 +290,10 @@ TEST(Stage3Frozen, ABudgetForSomeUnitsKeepsOnlyWhatItHolds) {
 
 // Units named by type (unit_names, FSDP's transformer-based wrap): gathered when an op reads their
 // parameters, released when the thread moves on. Their frozen parts stay gathered the same way, with
-// stage 0's bits: 6 steps on 2 ranks, rank 0's bytes per step with and without keeping.
+// stage 0's bits through the same checkpoint, eval forward, change through engine.gathered and load
+// as train()'s: kSteps steps on 2 ranks, rank 0's bytes per step with and without keeping.
 FrozenRun train_by_type(int stage, int64_t reuse, const std::string& name) {
-  const int world = 2, steps = 6;
+  const int world = 2, steps = kSteps;
   const std::string dir = temp_dir(name);
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
@@ -318,6 +319,18 @@ FrozenRun train_by_type(int stage, int64_t reuse, const std::string& name) {
           o.step();
           o.zero_grad();
           per_step.push_back(static_cast<double>(bytes_read() - before));
+          if (step == 1) engine.save_state(dir + "/ckpt");
+          if (step == 2) {
+            c10::NoGradGuard eval;
+            (void)m->forward(ids.narrow(0, first, 4));
+          }
+          if (step == 3) {
+            at::Tensor w = model->blocks[1]->base->weight;
+            auto g = engine.gathered({w}, /*modifier_rank=*/0);
+            c10::NoGradGuard no_grad;
+            if (me == 0) w.mul_(0.5);
+          }
+          if (step == 4) engine.load_state(dir + "/ckpt");
         }
         auto g = engine.gathered();
         write_tensor(dir + "/params_" + std::to_string(me), flat_params(*m));
@@ -339,11 +352,15 @@ TEST(Stage3Frozen, UnitsNamedByTypeKeepTheirFrozenPartsToo) {
   const FrozenRun regathered = train_by_type(3, 0, "bytype3_reuse0");
   EXPECT_TRUE(at::equal(kept_frozen.params, zero.params));
   EXPECT_TRUE(at::equal(regathered.params, zero.params));
-  const double unit_frozen = 3.0 * (kDim * kDim + kDim) * 4 / 2;  // the three blocks' frozen halves
-  for (int step : {3, 5}) {
+  // The three blocks' frozen halves and the root's, as each rank receives them.
+  const double unit_frozen = 3.0 * (kDim * kDim + kDim) * 4 / 2, root_frozen = double(kVocab * kDim) * 4 / 2;
+  for (int step : {2, 6}) {  // steady steps, as in train()
     std::printf("[ metric ] unit_names, step %d: bytes received by rank 0: frozen parts kept %.0f, regathered %.0f; "
-                "the blocks' frozen halves %.0f\n",
-                step, kept_frozen.bytes[step], regathered.bytes[step], unit_frozen);
+                "frozen halves %.0f (blocks) + %.0f (root)\n",
+                step, kept_frozen.bytes[step], regathered.bytes[step], unit_frozen, root_frozen);
+    // As for zeal::Sharded units: the trainable parts and the collectives' own messages only (a
+    // block's frozen half gathered once more a step, at the forward or at the backward, crosses it).
+    EXPECT_LT(kept_frozen.bytes[step], 0.25 * (unit_frozen + root_frozen)) << "step " << step;
     EXPECT_GE(regathered.bytes[step] - kept_frozen.bytes[step], 0.9 * unit_frozen) << "step " << step;
   }
 }
