@@ -5,7 +5,8 @@
 // those bytes; the values stay those of stage 0 bit for bit through an eval forward, a frozen
 // weight changed by engine.gathered(params, 0), and a load_state that brings older frozen values,
 // with the blocks' shards in memory and on disk (offload_param nvme).
-// Also on three ranks with two micro-steps a step, against the same run gathering every time.
+// Also on three ranks with two micro-steps a step, within a live-parameter budget that holds some
+// blocks, and with the blocks named by type (unit_names) instead of wrapped in zeal::Sharded.
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
@@ -21,6 +22,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <type_traits>
 
 #include "engine/zero/sharded.h"
 #include "tests/engine/token_harness.h"
@@ -136,7 +138,8 @@ zeal::Config frozen_config(int stage, int64_t reuse, const std::string& param_sw
 }
 
 // The seeded classifier's trainable parameters (the adapters and the head).
-std::vector<at::Tensor> trainable_of(Classifier& model) {
+template <class Model>
+std::vector<at::Tensor> trainable_of(Model& model) {
   std::vector<at::Tensor> out;
   for (auto& p : model->parameters())
     if (p.requires_grad()) out.push_back(p);
@@ -150,10 +153,16 @@ struct FrozenRun {
 
 constexpr int kSteps = 7;
 
-// Trains the classifier for kSteps AdamW steps on `world` ranks at `stage`, each step `accumulation`
-// micro-steps: a checkpoint after step 1, an eval forward after step 2, rank 0 halving block 1's
-// frozen weight through engine.gathered after step 3, the checkpoint loaded back after step 4 (its
-// frozen values are the older ones).
+// Block 1's frozen weight, where each model keeps it.
+at::Tensor block1_frozen_weight(Classifier& model) { return model->blocks[1]->inner->base->weight; }
+at::Tensor block1_frozen_weight(ByType& model) { return model->blocks[1]->base->weight; }
+
+// Trains the classifier (Classifier, or ByType with its blocks named by unit_names at stage 3) for
+// kSteps AdamW steps on `world` ranks at `stage`, each step `accumulation` micro-steps: a checkpoint
+// after step 1, an eval forward after step 2, rank 0 halving block 1's frozen weight through
+// engine.gathered after step 3, the checkpoint loaded back after step 4 (its frozen values are the
+// older ones).
+template <class Model = Classifier>
 FrozenRun train(int stage, int64_t reuse, const std::string& name, bool param_nvme = false, int world = 2,
                 int accumulation = 1, int64_t max_live = 1'000'000'000) {
   const std::string dir = temp_dir(name);
@@ -162,9 +171,10 @@ FrozenRun train(int stage, int64_t reuse, const std::string& name, bool param_nv
         zeal::Config config = frozen_config(stage, reuse, param_nvme ? dir : "");
         config.gradient_accumulation_steps = {accumulation, false};
         config.zero.stage3_max_live_parameters = max_live;
+        if (std::is_same_v<Model, ByType> && stage == 3) config.zero.unit_names = {"Adapted"};
         zeal::Engine engine(config, rt);
         zeal_test::seed(11);
-        Classifier model;
+        Model model;
         torch::optim::AdamW opt(trainable_of(model), torch::optim::AdamWOptions(1e-2));
         auto [m, o] = engine.prepare(model, opt);
         auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
@@ -191,7 +201,7 @@ FrozenRun train(int stage, int64_t reuse, const std::string& name, bool param_nv
             (void)m->forward(ids.narrow(0, me * 4, 4));
           }
           if (step == 3) {
-            at::Tensor w = model->blocks[1]->inner->base->weight;
+            at::Tensor w = block1_frozen_weight(model);
             auto g = engine.gathered({w}, /*modifier_rank=*/0);
             c10::NoGradGuard no_grad;
             if (me == 0) w.mul_(0.5);
@@ -290,66 +300,11 @@ TEST(Stage3Frozen, ABudgetForSomeUnitsKeepsOnlyWhatItHolds) {
 
 // Units named by type (unit_names, FSDP's transformer-based wrap): gathered when an op reads their
 // parameters, released when the thread moves on. Their frozen parts stay gathered the same way, with
-// stage 0's bits through the same checkpoint, eval forward, change through engine.gathered and load
-// as train()'s: kSteps steps on 2 ranks, rank 0's bytes per step with and without keeping.
-FrozenRun train_by_type(int stage, int64_t reuse, const std::string& name) {
-  const int world = 2, steps = kSteps;
-  const std::string dir = temp_dir(name);
-  auto results = zeal::spawn(
-      [&](zeal::Runtime& rt) {
-        zeal::Config config = frozen_config(stage, reuse);
-        if (stage == 3) config.zero.unit_names = {"Adapted"};
-        zeal::Engine engine(config, rt);
-        zeal_test::seed(11);
-        ByType model;
-        std::vector<at::Tensor> trainable;
-        for (auto& p : model->parameters())
-          if (p.requires_grad()) trainable.push_back(p);
-        torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2));
-        auto [m, o] = engine.prepare(model, opt);
-        auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
-        const at::Tensor ids = at::randint(0, kVocab, {steps * world * 4, 8}, gen);
-        const at::Tensor labels = at::randint(0, kClasses, {steps * world * 4}, gen);
-        const int me = engine.process_index();
-        std::vector<double> per_step;
-        for (int step = 0; step < steps; ++step) {
-          const int64_t first = (step * world + me) * 4, before = bytes_read();
-          at::Tensor logits = m->forward(ids.narrow(0, first, 4));
-          engine.backward(torch::nn::functional::cross_entropy(logits, labels.narrow(0, first, 4)));
-          o.step();
-          o.zero_grad();
-          per_step.push_back(static_cast<double>(bytes_read() - before));
-          if (step == 1) engine.save_state(dir + "/ckpt");
-          if (step == 2) {
-            c10::NoGradGuard eval;
-            (void)m->forward(ids.narrow(0, first, 4));
-          }
-          if (step == 3) {
-            at::Tensor w = model->blocks[1]->base->weight;
-            auto g = engine.gathered({w}, /*modifier_rank=*/0);
-            c10::NoGradGuard no_grad;
-            if (me == 0) w.mul_(0.5);
-          }
-          if (step == 4) engine.load_state(dir + "/ckpt");
-        }
-        auto g = engine.gathered();
-        write_tensor(dir + "/params_" + std::to_string(me), flat_params(*m));
-        write_tensor(dir + "/bytes_" + std::to_string(me), at::tensor(per_step, at::kDouble));
-      },
-      world);
-  EXPECT_EQ(zeal::describe_failures(results), "");
-  FrozenRun r;
-  r.params = read_tensor(dir + "/params_0");
-  EXPECT_TRUE(at::equal(read_tensor(dir + "/params_1"), r.params));
-  const at::Tensor b = read_tensor(dir + "/bytes_0");
-  r.bytes.assign(b.data_ptr<double>(), b.data_ptr<double>() + b.numel());
-  return r;
-}
-
+// stage 0's bits through train()'s checkpoint, eval forward, change and load.
 TEST(Stage3Frozen, UnitsNamedByTypeKeepTheirFrozenPartsToo) {
-  const FrozenRun zero = train_by_type(0, 1'000'000'000, "bytype0");
-  const FrozenRun kept_frozen = train_by_type(3, 1'000'000'000, "bytype3");
-  const FrozenRun regathered = train_by_type(3, 0, "bytype3_reuse0");
+  const FrozenRun zero = train<ByType>(0, 1'000'000'000, "bytype0");
+  const FrozenRun kept_frozen = train<ByType>(3, 1'000'000'000, "bytype3");
+  const FrozenRun regathered = train<ByType>(3, 0, "bytype3_reuse0");
   EXPECT_TRUE(at::equal(kept_frozen.params, zero.params));
   EXPECT_TRUE(at::equal(regathered.params, zero.params));
   // The three blocks' frozen halves and the root's, as each rank receives them.

@@ -82,10 +82,11 @@ awk -v a="$first" -v b="$last" 'BEGIN { exit !(b <= a - 0.5) }' ||
 grep -q '"gathered_peak_bytes": [1-9]' "$log" || { echo "FAIL: no gathered bytes logged" >&2; exit 1; }
 # Checkpoints: the run saved after steps 10, 20, 30, 40 (latest: checkpoint-40). Resumed from checkpoint-10 on
 # Each save says its peak resident set (MiB or GiB): at least what the process held before training,
-# at most the training's total peak (the saves are part of it; the MB lines are truncated).
+# at most the training's total peak (the saves are part of it; its MB line is truncated twice, as
+# PEFT's is: before + peak, each rounded down, up to 2 MiB under the resident set).
 saves=$(sed -n "s|^\[rank 0\] zeal: saved $ckpt/checkpoint-[0-9]*; the save's peak resident set \([0-9.]*\) \([MG]\)iB (rank 0)\$|\1 \2|p" "$out")
 [ "$(wc -l <<<"$saves")" -eq 4 ] &&
-  awk -v b="$before" -v t="$total" '{ m = $2 == "G" ? $1 * 1024 : $1; if (m < b || m > t + 1) bad = 1 } END { exit bad }' <<<"$saves" ||
+  awk -v b="$before" -v t="$total" '{ m = $2 == "G" ? $1 * 1024 : $1; if (m < b || m > t + 3) bad = 1 } END { exit bad }' <<<"$saves" ||
   { echo "FAIL: not four saves each with its peak resident set within ${before}..${total} MiB:" >&2; grep 'zeal: saved' "$out" >&2; exit 1; }
 # the same 2 ranks, steps 11-20 give the same losses to the last digit; on 1 rank (twice the micro
 # batch: the same samples per step) within 1e-3.
