@@ -47,12 +47,14 @@ struct AdaptedImpl : torch::nn::Module {
 };
 TORCH_MODULE(Adapted);
 
-// A frozen embedding and a trainable head in the root, three adapted blocks as units.
-struct ClassifierImpl : torch::nn::Module {
-  ClassifierImpl() {
+// A frozen embedding and a trainable head in the root, three adapted blocks as units: each a
+// zeal::Sharded<Adapted> (Classifier), or a plain Adapted named by unit_names (ByType).
+template <class Block>
+struct BlocksImpl : torch::nn::Module {
+  BlocksImpl() {
     wte = register_module("wte", torch::nn::Embedding(kVocab, kDim));
     wte->weight.set_requires_grad(false);
-    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("block" + std::to_string(i), zeal::Sharded<Adapted>()));
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block()));
     head = register_module("head", torch::nn::Linear(kDim, kClasses));
   }
   at::Tensor forward(const at::Tensor& ids) {
@@ -61,29 +63,11 @@ struct ClassifierImpl : torch::nn::Module {
     return head(h.mean(1));
   }
   torch::nn::Embedding wte{nullptr};
-  std::vector<zeal::Sharded<Adapted>> blocks;
+  std::vector<Block> blocks;
   torch::nn::Linear head{nullptr};
 };
-TORCH_MODULE(Classifier);
-
-// The same blocks with no zeal::Sharded around them: units by type name (unit_names: [Adapted]).
-struct ByTypeImpl : torch::nn::Module {
-  ByTypeImpl() {
-    wte = register_module("wte", torch::nn::Embedding(kVocab, kDim));
-    wte->weight.set_requires_grad(false);
-    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("block" + std::to_string(i), Adapted()));
-    head = register_module("head", torch::nn::Linear(kDim, kClasses));
-  }
-  at::Tensor forward(const at::Tensor& ids) {
-    at::Tensor h = wte(ids);
-    for (auto& blk : blocks) h = blk->forward(h);
-    return head(h.mean(1));
-  }
-  torch::nn::Embedding wte{nullptr};
-  std::vector<Adapted> blocks;
-  torch::nn::Linear head{nullptr};
-};
-TORCH_MODULE(ByType);
+using Classifier = torch::nn::ModuleHolder<BlocksImpl<zeal::Sharded<Adapted>>>;
+using ByType = torch::nn::ModuleHolder<BlocksImpl<Adapted>>;
 
 // Bytes this process's TCP sockets have received (the kernel's tcpi_bytes_received): Gloo's traffic
 // between the ranks, and the store's.
