@@ -1,6 +1,8 @@
 #include "engine/checkpoint/fault_hooks.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -19,6 +21,18 @@ void maybe_die(const std::string& point, int rank) {
 int injected_write_error(int rank) {
   const char* f = std::getenv("ZEAL_CHECKPOINT_FAULT");
   return f && std::string(f) == fmt::format("enospc:{}", rank) ? ENOSPC : 0;
+}
+
+void maybe_change_between_passes(const std::string& path, int64_t offset, int rank) {
+  const char* f = std::getenv("ZEAL_CHECKPOINT_FAULT");
+  if (!f || std::string(f) != fmt::format("change:{}", rank)) return;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  char c = 0;
+  if (fd >= 0 && ::pread(fd, &c, 1, offset) == 1) {
+    c ^= 0x40;
+    (void)!::pwrite(fd, &c, 1, offset);
+  }
+  if (fd >= 0) ::close(fd);
 }
 
 }  // namespace zeal::ckpt

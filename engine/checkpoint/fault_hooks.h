@@ -3,8 +3,11 @@
 //   ZEAL_CHECKPOINT_KILL=write:<rank>  that rank is killed halfway through its file
 //   ZEAL_CHECKPOINT_KILL=latest        rank 0 is killed after the rename, before `latest` moves
 //   ZEAL_CHECKPOINT_FAULT=enospc:<rank> that rank's first write fails with ENOSPC
+//   ZEAL_CHECKPOINT_FAULT=change:<rank> between a load's two passes, that rank flips a byte of a file
+//                                       it is about to read again
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace zeal::ckpt {
@@ -13,5 +16,7 @@ namespace zeal::ckpt {
 void maybe_die(const std::string& point, int rank);
 // The errno ZEAL_CHECKPOINT_FAULT asks this rank's first checkpoint write to fail with (0: none).
 int injected_write_error(int rank);
+// Flips the byte at `offset` of `path` when ZEAL_CHECKPOINT_FAULT is change:`rank`.
+void maybe_change_between_passes(const std::string& path, int64_t offset, int rank);
 
 }  // namespace zeal::ckpt

@@ -18,6 +18,7 @@
 #include "engine/error.h"
 #include "offload/crc32c.h"
 #include "offload/io.h"
+#include "offload/mapped_file.h"
 
 namespace zeal::ckpt {
 
@@ -43,6 +44,7 @@ struct CheckedReader::Impl {
     Fds f;
     f.buffered = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (f.buffered < 0) throw Error(fmt::format("checkpoint: {} is missing ({})", path.string(), std::strerror(errno)));
+    (void)::posix_fadvise(f.buffered, 0, 0, POSIX_FADV_SEQUENTIAL);  // a larger read-ahead window
     if (direct) f.direct = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // -1 where the file system has none
     return files[path.string()] = f;
   }
@@ -199,6 +201,70 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
 void read_checked(const std::filesystem::path& path, const SavedFile& f, int64_t offset, int64_t n, char* out) {
   CheckedReader r;
   r.read(path, f, offset, n, out);
+}
+
+bool read_mapped(const std::vector<CheckedReader::Read>& reads, const CheckedReader::Sink& sink) {
+  // Every file mapped before any byte goes out: one that cannot be leaves the reads to the caller.
+  std::map<std::string, std::unique_ptr<offload::MappedFile>> maps;
+  for (const auto& r : reads) {
+    auto& m = maps[r.path.string()];
+    if (m || r.n <= 0) continue;
+    try {
+      m = std::make_unique<offload::MappedFile>(r.path.string(), r.file->bytes);
+    } catch (const Error&) {
+      return false;
+    }
+    if (m->file_size() != r.file->bytes) {
+      throw Error(fmt::format("checkpoint: {} changed after it was checked: {} bytes, the manifest says {}",
+                              r.path.string(), m->file_size(), r.file->bytes));
+    }
+  }
+  for (size_t i = 0; i < reads.size(); ++i) {
+    const CheckedReader::Read& r = reads[i];
+    if (r.n <= 0) continue;
+    const SavedFile& f = *r.file;
+    const std::string path = r.path.string();
+    const offload::MappedFile& m = *maps.at(path);
+    if (f.crc_block <= 0) throw Error(fmt::format("checkpoint: {}: CRC blocks of {} bytes", path, f.crc_block));
+    const int64_t first = r.offset / f.crc_block, last = (r.offset + r.n - 1) / f.crc_block;
+    // A window of pages mapped at once, and unmapped once used: the resident set holds one window.
+    constexpr int64_t kWindow = 32 << 20;
+    int64_t mapped_to = 0;
+    for (int64_t b = first; b <= last; ++b) {
+      const int64_t bat = b * f.crc_block, blen = std::min(f.crc_block, f.bytes - bat);
+      if (blen <= 0 || static_cast<size_t>(b) >= f.block_crcs.size()) {
+        throw Error(fmt::format("checkpoint: {} is truncated: byte {} is past its end", path, bat));
+      }
+      if (bat + blen > mapped_to) {
+        if (mapped_to > 0) m.drop(mapped_to - kWindow, bat);
+        mapped_to = std::min(f.bytes, bat + kWindow);
+      }
+      const char* p = m.data() + bat;
+      auto check = [&] {
+        const uint32_t crc = offload::crc32c(p, static_cast<size_t>(blen));
+        if (m.lost()) {
+          throw Error(fmt::format("checkpoint: {} was truncated while it was read again (bytes {}..{})", path, bat,
+                                  bat + blen));
+        }
+        if (crc != f.block_crcs[b]) {
+          throw Error(fmt::format("checkpoint: {} changed after it was checked: bytes {}..{} no longer match their "
+                                  "CRC32C",
+                                  path, bat, bat + blen));
+        }
+      };
+      const int64_t lo = std::max(bat, r.offset), hi = std::min(bat + blen, r.offset + r.n);
+      if (r.out) {
+        std::memcpy(r.out + (lo - r.offset), p + (lo - bat), static_cast<size_t>(hi - lo));
+      } else if (sink) {
+        sink(i, lo - r.offset, p + (lo - bat), hi - lo);
+      }
+      // Checked after they went out: the bytes applied are the bytes checked (what a failure here
+      // leaves, partly applied state, is what one before the block would have left too).
+      check();
+    }
+    m.drop(std::max<int64_t>(0, mapped_to - kWindow), mapped_to);
+  }
+  return true;
 }
 
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& dir) {

@@ -61,6 +61,13 @@ class CheckedReader {
 };
 void read_checked(const std::filesystem::path& path, const SavedFile& f, int64_t offset, int64_t n, char* out);
 
+// The reads again, through read-only mappings of the files: no copy out of the page cache, for bytes
+// a first pass has just put there (a load's second pass). A MiB block at a time, its CRC32C checked
+// once its bytes went to `sink` (or `out`), so that what was applied is what was checked; a file whose size differs from the manifest's, that changed or that was truncated
+// meanwhile (no SIGBUS: see offload::MappedFile) is a zeal::Error naming it and the bytes. False,
+// with nothing read, where a file cannot be mapped: the caller reads them otherwise.
+bool read_mapped(const std::vector<CheckedReader::Read>& reads, const CheckedReader::Sink& sink);
+
 // The checkpoint directory `dir` means: itself when it holds manifest.json, else the one its
 // `latest` names.
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& dir);

@@ -90,7 +90,15 @@ void put_elements(const zero::StateRange& r, const std::string& kind, int64_t fi
   }
   const at::Tensor f32 = src.to(at::kFloat).contiguous();
   r.step->write_state(kind, r.index + first, n, f32.data_ptr<float>());
-  if (kind == "master") r.values.narrow(0, first, n).copy_(f32);
+  if (kind != "master") return;
+  // The compute copy, unless it is the master itself (fp32 parameters aliased as their own master:
+  // write_state has just put the values there).
+  at::Tensor v = r.values.narrow(0, first, n);
+  if (v.scalar_type() == at::kFloat && v.is_contiguous() &&
+      v.data_ptr() == r.step->host_state("master", r.index + first, n)) {
+    return;
+  }
+  v.copy_(f32);
 }
 
 }  // namespace zeal::ckpt

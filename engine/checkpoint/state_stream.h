@@ -80,8 +80,9 @@ struct LoadItem {
   int64_t es;  // bytes per element in the file
 };
 
-// A load's second pass: the checked bytes of each read, gathered into a small staging buffer and
-// applied a buffer at a time where they belong (Engine::load_state).
+// A load's second pass: the checked bytes of each read applied where they belong (Engine::load_state),
+// whole elements straight from the caller's bytes, an element split between two calls through a
+// small staging buffer.
 class StreamApplier {
  public:
   StreamApplier(const std::vector<LoadItem>& items, const std::vector<std::pair<size_t, int64_t>>& read_to,
@@ -95,6 +96,12 @@ class StreamApplier {
       walk_.at(*items_[read_to_[read].first].range);
     }
     ZEAL_CHECK(at == done_ + fill_) << "checkpoint bytes out of order";
+    if (fill_ == 0) {
+      const int64_t es = items_[read_to_[cur_].first].es, whole = n / es * es;
+      if (whole > 0) put(p, whole);
+      p += whole;
+      n -= whole;
+    }
     while (n > 0) {
       const int64_t k = std::min(n, kBytes - fill_);
       std::memcpy(buf_.data() + fill_, p, static_cast<size_t>(k));
@@ -106,16 +113,22 @@ class StreamApplier {
   }
   void flush() {
     if (fill_ == 0) return;
-    const LoadItem& it = items_[read_to_[cur_].first];
-    const zero::StateRange& r = *it.range;
-    const int64_t first = read_to_[cur_].second + done_ / it.es, count = fill_ / it.es;
-    ZEAL_CHECK(fill_ % it.es == 0) << "a partial element of " << r.name;
-    put_elements(r, it.kind, first, at::from_blob(buf_.data(), {count}, at::TensorOptions().dtype(at_dtype(it.dtype))));
-    done_ += fill_;
+    const int64_t n = fill_;
     fill_ = 0;
+    put(buf_.data(), n);
   }
 
  private:
+  // `n` bytes at p (whole elements) are the next of the current read's range.
+  void put(const char* p, int64_t n) {
+    const LoadItem& it = items_[read_to_[cur_].first];
+    const zero::StateRange& r = *it.range;
+    ZEAL_CHECK(n % it.es == 0) << "a partial element of " << r.name;
+    const int64_t first = read_to_[cur_].second + done_ / it.es;
+    put_elements(r, it.kind, first,
+                 at::from_blob(const_cast<char*>(p), {n / it.es}, at::TensorOptions().dtype(at_dtype(it.dtype))));
+    done_ += n;
+  }
   static constexpr int64_t kBytes = 8 << 20;  // a multiple of every element size
   const std::vector<LoadItem>& items_;
   const std::vector<std::pair<size_t, int64_t>>& read_to_;

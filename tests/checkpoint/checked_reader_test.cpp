@@ -1,7 +1,12 @@
 // The checkpoint reader (engine/checkpoint/manifest.h) over many spans: its reader threads take the
 // spans in turn, so bytes must come out in order and whole, checked against the file's own bytes
-// written here, and a corrupted block in any span must be named.
+// written here, and a corrupted block in any span must be named. read_mapped, the load's second
+// pass: the same bytes through mappings, a window resident at a time, a block changed or a file
+// truncated under it named (the process lives), a SIGBUS not its own still fatal.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -14,6 +19,7 @@
 #include "engine/checkpoint/manifest.h"
 #include "engine/error.h"
 #include "offload/crc32c.h"
+#include "offload/mapped_file.h"
 
 namespace zeal::ckpt {
 namespace {
@@ -105,6 +111,104 @@ TEST(CheckedReader, ACorruptedBlockInAnySpanIsNamed) {
     std::ofstream(b.path, std::ios::binary).write(b.data.data(), static_cast<std::streamsize>(b.data.size()));
     std::ofstream(a.path, std::ios::binary).write(a.data.data(), static_cast<std::streamsize>(a.data.size()));
   }
+}
+
+// Resident set now, bytes (/proc/self/statm).
+int64_t resident() {
+  std::ifstream f("/proc/self/statm");
+  int64_t size = 0, res = 0;
+  f >> size >> res;
+  return res * ::sysconf(_SC_PAGESIZE);
+}
+
+TEST(ReadMapped, GivesTheSameBytesInOrderWithOneWindowResident) {
+  File a("ma", 11 * kCrcBlock + 4321, 5), b("mb", 7 * kCrcBlock, 6);
+  std::vector<std::vector<char>> out;
+  auto reads = reads_of(a, b, out);
+  ASSERT_TRUE(read_mapped(reads, {}));
+  for (size_t i = 0; i < reads.size(); ++i) {
+    const auto& src = reads[i].path == a.path ? a.data : b.data;
+    ASSERT_EQ(0, std::memcmp(out[i].data(), src.data() + reads[i].offset, out[i].size())) << "read " << i;
+  }
+  for (auto& r : reads) r.out = nullptr;
+  std::vector<std::vector<char>> sunk(reads.size());
+  ASSERT_TRUE(read_mapped(reads, [&](size_t i, int64_t at, const char* p, int64_t n) {
+    ASSERT_EQ(at, static_cast<int64_t>(sunk[i].size())) << "read " << i << " out of order";
+    sunk[i].insert(sunk[i].end(), p, p + n);
+  }));
+  for (size_t i = 0; i < reads.size(); ++i) EXPECT_EQ(sunk[i], out[i]) << "read " << i;
+  // A file of 256 MiB (in the page cache: just written) read whole: the pages it maps go again as it
+  // moves on, so the resident set grows by about one 32 MiB window, not by the file.
+  File big("mbig", 256 * kCrcBlock, 7);
+  const int64_t before = resident();
+  int64_t most = 0;
+  ASSERT_TRUE(read_mapped({{big.path, &big.saved, 0, 256 * kCrcBlock, nullptr}},
+                          [&](size_t, int64_t, const char*, int64_t) { most = std::max(most, resident() - before); }));
+  EXPECT_LT(most, int64_t{80} << 20) << "the mapped pages stayed resident";
+  EXPECT_GT(most, int64_t{8} << 20) << "nothing was mapped?";
+}
+
+TEST(ReadMapped, ABlockChangedOrAFileTruncatedMeanwhileIsNamedAndTheProcessLives) {
+  File a("mc", 9 * kCrcBlock + 100, 8);
+  const std::vector<CheckedReader::Read> reads{{a.path, &a.saved, 10, 9 * kCrcBlock, nullptr}};
+  auto expect_error = [&](const std::string& want, const CheckedReader::Sink& sink) {
+    try {
+      read_mapped(reads, sink);
+      ADD_FAILURE() << "no error; wanted " << want;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  const CheckedReader::Sink none = [](size_t, int64_t, const char*, int64_t) {};
+  // A byte of block 4 changed (as by a writer while the bytes went out): named after them.
+  {
+    std::fstream f(a.path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4 * kCrcBlock + 5);
+    f.put(static_cast<char>(a.data[4 * kCrcBlock + 5] ^ 1));
+  }
+  int64_t went = 0;
+  expect_error(a.path.string() + " changed after it was checked: bytes " + std::to_string(4 * kCrcBlock) + "..",
+               [&](size_t, int64_t, const char*, int64_t n) { went += n; });
+  EXPECT_EQ(went, 5 * kCrcBlock - 10) << "blocks 0-4 went out before the change was found";
+  std::ofstream(a.path, std::ios::binary).write(a.data.data(), static_cast<std::streamsize>(a.data.size()));
+  // Another size than the manifest's, before anything goes out.
+  ::truncate(a.path.c_str(), 3 * kCrcBlock);
+  went = 0;
+  expect_error(a.path.string() + " changed after it was checked: " + std::to_string(3 * kCrcBlock) + " bytes",
+               [&](size_t, int64_t, const char*, int64_t n) { went += n; });
+  EXPECT_EQ(went, 0);
+  std::ofstream(a.path, std::ios::binary).write(a.data.data(), static_cast<std::streamsize>(a.data.size()));
+  // Truncated while the bytes go out: the pages past the new end would raise SIGBUS.
+  bool cut = false;
+  expect_error(a.path.string() + " was truncated while it was read again", [&](size_t, int64_t, const char*, int64_t) {
+    if (!cut) ::truncate(a.path.c_str(), 2 * kCrcBlock);
+    cut = true;
+  });
+  std::ofstream(a.path, std::ios::binary).write(a.data.data(), static_cast<std::streamsize>(a.data.size()));
+  EXPECT_TRUE(read_mapped(reads, none));  // whole again
+}
+
+// A SIGBUS at an address no MappedFile holds ends the process as before (the handler steps aside).
+TEST(ReadMappedDeathTest, ASigbusNotItsOwnStillEndsTheProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  File a("md", 4 * kCrcBlock, 9);
+  EXPECT_EXIT(
+      {
+        offload::MappedFile held(a.path.string(), 4 * kCrcBlock);  // the handler is installed
+        const int fd = ::open(a.path.c_str(), O_RDONLY);
+        auto* p = static_cast<volatile char*>(::mmap(nullptr, 4 * kCrcBlock, PROT_READ, MAP_SHARED, fd, 0));
+        ::truncate(a.path.c_str(), 0);
+        std::printf("%d", p[3 * kCrcBlock]);  // past the end of a mapping of its own
+        std::exit(0);
+      },
+      ::testing::KilledBySignal(SIGBUS), "");
+  EXPECT_EXIT(
+      {
+        offload::MappedFile held(a.path.string(), 4 * kCrcBlock);
+        ::raise(SIGBUS);
+        std::exit(0);
+      },
+      ::testing::KilledBySignal(SIGBUS), "");
 }
 
 }  // namespace
