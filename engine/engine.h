@@ -209,10 +209,12 @@ struct SaveStateOptions {
 
 struct LoadStateOptions {
   // Host memory per rank the load may hold to read each byte once: when what this rank needs fits,
-  // the bytes the first pass checked are kept and applied from memory; beyond it the second pass
-  // reads them again (the memory then stays within one window). -1: a quarter of the memory
-  // available, shared by the ranks; 0: always read twice.
-  int64_t memory_budget = -1;
+  // the bytes the first pass checked are kept and applied from memory; beyond it (and by default,
+  // 0) the second pass reads them again, from the page cache where it still holds them, and the
+  // load holds one window beside the training's own memory. Reading once means fresh memory for
+  // the whole state, which measured slower than the second pass on the machines measured
+  // (docs/checkpoints.md).
+  int64_t memory_budget = 0;
 };
 
 template <class T>

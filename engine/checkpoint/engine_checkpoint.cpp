@@ -383,7 +383,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   std::vector<std::pair<size_t, int64_t>> read_to;  // each read's item and first element in its range
   std::unique_ptr<ckpt::CheckedReader> reader;
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // the model's, read
-  std::unique_ptr<offload::FreshBuffer> kept;  // every read's bytes in turn, when they fit the budget
+  std::vector<std::unique_ptr<char[]>> kept;  // each read's bytes, when they fit the budget
   std::vector<std::pair<std::string, at::Tensor>> frozen_whole;  // stages 0-2
   std::vector<std::string> custom;                                 // register_for_checkpointing
   json m;
@@ -507,16 +507,14 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     // What fits the budget is kept from the check to the apply (each byte read once).
     int64_t total = 0;
     for (const auto& r : reads) total += r.n;
-    const int64_t budget = options.memory_budget >= 0 ? options.memory_budget : default_staging_budget(runtime_->local_world_size()) / 2;
+    const int64_t budget = std::max<int64_t>(options.memory_budget, 0);
     std::unique_ptr<offload::Prefaulter> prefault;
     if (total <= budget && total > 0) {
-      // One fresh buffer on huge pages where the kernel offers them (a fault per 2 MiB, not 4 KiB).
-      kept = std::make_unique<offload::FreshBuffer>(total);
+      // On 4 KiB pages: huge pages measured slower here (docs/benchmarks.md, checkpoint_bench).
       std::vector<std::pair<char*, int64_t>> fresh;
-      char* at = kept->data();
       for (auto& r : reads) {
-        r.out = at;
-        at += r.n;
+        kept.emplace_back(new char[static_cast<size_t>(r.n)]);  // not zeroed: every byte is read
+        r.out = kept.back().get();
         fresh.emplace_back(r.out, r.n);
       }
       // Their pages are faulted in on a thread of its own, in the order the reads fill them, while
@@ -526,7 +524,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     }
     // Two passes read through the page cache: the second finds there what memory pressure left of
     // the first (the page cache is the kernel's to give back, not this process's).
-    reader = std::make_unique<ckpt::CheckedReader>(32 << 20, /*direct=*/kept || reads.empty());
+    reader = std::make_unique<ckpt::CheckedReader>(32 << 20, /*direct=*/!kept.empty());
     reader->read_many(buffer_reads);
     t_read = std::chrono::steady_clock::now();
     reader->read_many(reads);  // pass one: checked (and kept, within the budget)
@@ -538,7 +536,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   // Nothing changes unless every rank read and checked everything it needs.
   const std::string failed = agreed_failures(*this, error);
   const auto t_agreed = std::chrono::steady_clock::now();
-  const bool read_once = kept != nullptr;
+  const bool read_once = !kept.empty();
   if (!failed.empty()) {
     z.end_state_access(/*changed=*/false);
     throw Error(fmt::format("load_state: {}: nothing was changed:{}", dir.string(), failed));
@@ -552,17 +550,18 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     c10::NoGradGuard no_grad;
     GroupWalk walk(z, /*changed=*/true);
     StreamApplier apply(items, read_to, walk);
-    if (kept) {
+    if (read_once) {
       for (size_t i = 0; i < reads.size(); ++i) apply.take(i, 0, reads[i].out, reads[i].n);
     } else {
       // Through mappings of the files (the page cache's pages themselves, no copy into the reader's
       // buffers), else read again.
       const auto take = [&](size_t i, int64_t at, const char* p, int64_t n) { apply.take(i, at, p, n); };
-      if (!ckpt::read_mapped(reads, take)) reader->read_many(reads, take);
+      reader.reset();  // its spans go: the mapped window takes their place
+      if (!ckpt::read_mapped(reads, take)) ckpt::CheckedReader(32 << 20, /*direct=*/false).read_many(reads, take);
     }
     apply.flush();
     walk.close();
-    kept.reset();
+    kept.clear();
     for (auto& [b, host] : buffers) b.copy_(host.view(b.sizes()));
     for (zero::ShardStep* s : z.steps()) s->optimizer().set_steps(m["optimizer_steps"].get<int64_t>());
   } catch (const std::exception& e) {

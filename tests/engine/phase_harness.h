@@ -21,6 +21,7 @@ struct Phase {
   int save_at = -1;         // save before this step instead of after the last
   zeal::SaveStateOptions options = {};
   int save_also_at = -1;    // and an earlier save before this step, into <save>.earlier (same options)
+  zeal::LoadStateOptions load_options = {};
 };
 
 // Trains steps [from, to) of a run whose step k always sees the same global batch (samples
@@ -37,7 +38,7 @@ inline std::vector<at::Tensor> run_phase(const Phase& p, const std::string& name
         zeal::Engine engine(make_config(s), rt);
         zeal_test::Setup u = make_setup(s);
         auto [m, o] = engine.prepare(u.model, *u.opt);
-        if (!p.load.empty()) engine.load_state(p.load);
+        if (!p.load.empty()) engine.load_state(p.load, p.load_options);
         const int64_t per_step = s.micro_batch * s.world * s.accumulation;
         at::Tensor tokens = make_tokens(per_step * kPhaseSteps);
         for (int step = p.from; step < p.to; ++step) {
