@@ -212,8 +212,9 @@ struct LoadStateOptions {
   // the bytes the first pass checked are kept and applied from memory; beyond it (and by default,
   // 0) the second pass reads them again, from the page cache where it still holds them, and the
   // load holds one window beside the training's own memory. Reading once means fresh memory for
-  // the whole state, which measured slower than the second pass on the machines measured
-  // (docs/checkpoints.md).
+  // the whole state, which measured slower than the second pass on the virtual machine measured
+  // (docs/checkpoints.md); where fresh memory is cheap it may be faster. -1: a quarter of the memory
+  // available, shared by the ranks on the machine.
   int64_t memory_budget = 0;
 };
 

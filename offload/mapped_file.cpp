@@ -19,52 +19,67 @@ namespace zeal::offload {
 
 namespace {
 
-// The live mappings the SIGBUS handler knows, in fixed slots it reads without locks.
+// The live mappings the SIGBUS handler knows, in fixed slots it reads without locks: each slot's
+// sequence is odd while its range changes (a seqlock), so the handler never sees a torn range.
 constexpr int kSlots = 256;
 struct Slot {
+  std::atomic<uint64_t> seq{0};
   std::atomic<uintptr_t> begin{0}, end{0};
   std::atomic<bool> lost{false};
 };
+static_assert(std::atomic<uintptr_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free);
 Slot g_slots[kSlots];
-struct sigaction g_previous {};
-std::once_flag g_installed;
-std::mutex g_slots_mu;  // taking and giving back slots (not the handler)
+struct sigaction g_previous {};  // the disposition before ours (written under g_mu, before ours is in)
+std::mutex g_mu;                 // installing, taking and giving back slots (never the handler)
 uintptr_t g_page = 4096;
 
+void set_slot(Slot& s, uintptr_t begin, uintptr_t end) {
+  s.seq.fetch_add(1, std::memory_order_acq_rel);  // odd: changing
+  s.begin.store(begin, std::memory_order_release);
+  s.end.store(end, std::memory_order_release);
+  s.seq.fetch_add(1, std::memory_order_acq_rel);  // even again
+}
+
 void on_sigbus(int sig, siginfo_t* info, void* ctx) {
+  const int saved_errno = errno;
   const uintptr_t a = reinterpret_cast<uintptr_t>(info->si_addr);
   for (Slot& s : g_slots) {
+    const uint64_t q = s.seq.load(std::memory_order_acquire);
     const uintptr_t b = s.begin.load(std::memory_order_acquire), e = s.end.load(std::memory_order_acquire);
+    if ((q & 1) || s.seq.load(std::memory_order_acquire) != q) continue;  // changing: not a live mapping's
     if (b == 0 || a < b || a >= e) continue;
     // A page of zeros in place of the one past the file's end; the access is retried and reads it.
     void* at = reinterpret_cast<void*>(a & ~(g_page - 1));
     if (::mmap(at, g_page, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED) {
       s.lost.store(true, std::memory_order_release);
+      errno = saved_errno;
       return;
     }
     break;
   }
-  // Not ours (or no page could be put there): what was there before.
-  if (g_previous.sa_flags & SA_SIGINFO) {
-    if (g_previous.sa_sigaction) return g_previous.sa_sigaction(sig, info, ctx);
-  } else if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN) {
-    return g_previous.sa_handler(sig);
-  }
-  // The default action: a faulting access runs again and ends the process as it would have; a
-  // SIGBUS sent by a process (no access to run again) is sent again.
-  ::signal(SIGBUS, SIG_DFL);
+  // Not ours: the disposition from before comes back, with its own semantics. A faulting access
+  // runs again and meets it (an ignored fault ends the process, as the kernel decides); a SIGBUS
+  // sent by a process is sent again and delivered to it once this handler returns. The next
+  // MappedFile puts this handler back, in front of whatever is there then.
+  ::sigaction(SIGBUS, &g_previous, nullptr);
   if (info->si_code <= 0) ::raise(sig);
+  (void)ctx;
+  errno = saved_errno;
 }
 
+// Puts the handler in front of the current disposition, unless it is there already.
 void install() {
-  std::call_once(g_installed, [] {
-    g_page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-    struct sigaction sa {};
-    sa.sa_sigaction = on_sigbus;
-    sa.sa_flags = SA_SIGINFO;
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGBUS, &sa, &g_previous);
-  });
+  std::lock_guard<std::mutex> lock(g_mu);
+  struct sigaction cur {};
+  ::sigaction(SIGBUS, nullptr, &cur);
+  if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus) return;
+  g_page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  g_previous = cur;
+  struct sigaction sa {};
+  sa.sa_sigaction = on_sigbus;
+  sa.sa_flags = SA_SIGINFO;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGBUS, &sa, nullptr);
 }
 
 }  // namespace
@@ -83,13 +98,12 @@ MappedFile::MappedFile(const std::string& path, int64_t bytes) : size_(bytes) {
   }
   data_ = static_cast<char*>(p);
   (void)::madvise(p, static_cast<size_t>(mapped_), MADV_SEQUENTIAL);
-  std::lock_guard<std::mutex> lock(g_slots_mu);
+  std::lock_guard<std::mutex> lock(g_mu);
   for (int k = 0; k < kSlots; ++k) {
     if (g_slots[k].begin.load() != 0) continue;
     slot_ = k;
     g_slots[k].lost.store(false);
-    g_slots[k].end.store(reinterpret_cast<uintptr_t>(data_) + mapped_);
-    g_slots[k].begin.store(reinterpret_cast<uintptr_t>(data_), std::memory_order_release);
+    set_slot(g_slots[k], reinterpret_cast<uintptr_t>(data_), reinterpret_cast<uintptr_t>(data_) + mapped_);
     return;
   }
   ::munmap(p, static_cast<size_t>(mapped_));
@@ -99,9 +113,8 @@ MappedFile::MappedFile(const std::string& path, int64_t bytes) : size_(bytes) {
 
 MappedFile::~MappedFile() {
   {
-    std::lock_guard<std::mutex> lock(g_slots_mu);
-    g_slots[slot_].begin.store(0, std::memory_order_release);
-    g_slots[slot_].end.store(0);
+    std::lock_guard<std::mutex> lock(g_mu);
+    set_slot(g_slots[slot_], 0, 0);  // before the unmapping: no fault in it is ours from here on
   }
   ::munmap(data_, static_cast<size_t>(mapped_));
   ::close(fd_);
@@ -112,6 +125,12 @@ bool MappedFile::lost() const { return g_slots[slot_].lost.load(std::memory_orde
 int64_t MappedFile::file_size() const {
   struct stat st {};
   return ::fstat(fd_, &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+}
+
+void MappedFile::will_need(int64_t begin, int64_t end) const {
+  const int64_t b = std::max<int64_t>(begin, 0) / static_cast<int64_t>(g_page) * static_cast<int64_t>(g_page);
+  const int64_t e = std::min(end, mapped_);
+  if (e > b) (void)::madvise(data_ + b, static_cast<size_t>(e - b), MADV_WILLNEED);
 }
 
 void MappedFile::drop(int64_t begin, int64_t end) const {

@@ -507,7 +507,9 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     // What fits the budget is kept from the check to the apply (each byte read once).
     int64_t total = 0;
     for (const auto& r : reads) total += r.n;
-    const int64_t budget = std::max<int64_t>(options.memory_budget, 0);
+    const int64_t budget = options.memory_budget >= 0
+                               ? options.memory_budget
+                               : default_staging_budget(runtime_->local_world_size()) / 2;  // -1: auto
     std::unique_ptr<offload::Prefaulter> prefault;
     if (total <= budget && total > 0) {
       // On 4 KiB pages: huge pages measured slower here (docs/benchmarks.md, checkpoint_bench).
@@ -542,14 +544,20 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     throw Error(fmt::format("load_state: {}: nothing was changed:{}", dir.string(), failed));
   }
   // Pass two: the same reads, checked again, applied as they come.
-  if (!read_once && !reads.empty()) {
+  if (!reads.empty()) {
     maybe_change_between_passes(reads.front().path.string(), reads.front().offset + reads.front().n / 2, c.rank());
   }
   std::string reread;
+  bool applied = false;  // whether pass two changed anything on this rank before it failed
   try {
     c10::NoGradGuard no_grad;
     GroupWalk walk(z, /*changed=*/true);
-    StreamApplier apply(items, read_to, walk);
+    StreamApplier apply(items, read_to, &walk);
+    struct Applied {  // whether `apply` applied anything, however the block is left
+      StreamApplier& a;
+      bool& out;
+      ~Applied() { out = a.applied(); }
+    } note_applied{apply, applied};
     if (read_once) {
       for (size_t i = 0; i < reads.size(); ++i) apply.take(i, 0, reads[i].out, reads[i].n);
     } else {
@@ -557,7 +565,10 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
       // buffers), else read again.
       const auto take = [&](size_t i, int64_t at, const char* p, int64_t n) { apply.take(i, at, p, n); };
       reader.reset();  // its spans go: the mapped window takes their place
-      if (!ckpt::read_mapped(reads, take)) ckpt::CheckedReader(32 << 20, /*direct=*/false).read_many(reads, take);
+      if (!ckpt::read_mapped(reads, take)) {
+        log::debug("load_state: {}: a file could not be mapped: read again with pread", dir.string());
+        ckpt::CheckedReader(32 << 20, /*direct=*/false).read_many(reads, take);
+      }
     }
     apply.flush();
     walk.close();
@@ -569,6 +580,12 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   }
   z.end_state_access(/*changed=*/true);
   if (const std::string again = agreed_failures(*this, reread); !again.empty()) {
+    const auto said = all_strings(*this, applied ? "1" : "0");
+    if (std::find(said.begin(), said.end(), "1") == said.end()) {
+      throw Error(fmt::format("load_state: {}: the checkpoint was checked, then failed when read again to be applied "
+                              "(did it change meanwhile?), before anything was applied: nothing was changed:{}",
+                              dir.string(), again));
+    }
     throw Error(fmt::format("load_state: {}: the checkpoint was checked, then failed when read again to be applied "
                             "(did it change meanwhile?): the model and optimizer are now partly loaded; load a "
                             "checkpoint again before training:{}",

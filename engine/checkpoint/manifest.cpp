@@ -219,50 +219,71 @@ bool read_mapped(const std::vector<CheckedReader::Read>& reads, const CheckedRea
                               r.path.string(), m->file_size(), r.file->bytes));
     }
   }
+  // Windows of 32 MiB mapped at a time (the next one read ahead, in case the page cache let the
+  // bytes go), unmapped once used: the resident set holds about one window. Pieces of up to 8
+  // blocks go out at once, then their CRC32Cs are checked.
+  constexpr int64_t kWindow = 32 << 20, kGroup = 8;
   for (size_t i = 0; i < reads.size(); ++i) {
     const CheckedReader::Read& r = reads[i];
     if (r.n <= 0) continue;
     const SavedFile& f = *r.file;
     const std::string path = r.path.string();
     const offload::MappedFile& m = *maps.at(path);
-    if (f.crc_block <= 0) throw Error(fmt::format("checkpoint: {}: CRC blocks of {} bytes", path, f.crc_block));
-    const int64_t first = r.offset / f.crc_block, last = (r.offset + r.n - 1) / f.crc_block;
-    // A window of pages mapped at once, and unmapped once used: the resident set holds one window.
-    constexpr int64_t kWindow = 32 << 20;
-    int64_t mapped_to = 0;
-    for (int64_t b = first; b <= last; ++b) {
-      const int64_t bat = b * f.crc_block, blen = std::min(f.crc_block, f.bytes - bat);
-      if (blen <= 0 || static_cast<size_t>(b) >= f.block_crcs.size()) {
-        throw Error(fmt::format("checkpoint: {} is truncated: byte {} is past its end", path, bat));
-      }
-      if (bat + blen > mapped_to) {
-        if (mapped_to > 0) m.drop(mapped_to - kWindow, bat);
-        mapped_to = std::min(f.bytes, bat + kWindow);
-      }
-      const char* p = m.data() + bat;
-      auto check = [&] {
-        const uint32_t crc = offload::crc32c(p, static_cast<size_t>(blen));
+    const int64_t cb = f.crc_block;
+    if (cb <= 0 || kWindow % cb != 0) throw Error(fmt::format("checkpoint: {}: CRC blocks of {} bytes", path, cb));
+    const int64_t first = r.offset / cb, last = (r.offset + r.n - 1) / cb;
+    // Blocks [b0, b1) against the manifest's CRC32Cs, after their bytes went out.
+    auto verify = [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t bat = b * cb, blen = std::min(cb, f.bytes - bat);
+        const uint32_t crc = offload::crc32c(m.data() + bat, static_cast<size_t>(blen));
         if (m.lost()) {
-          throw Error(fmt::format("checkpoint: {} was truncated while it was read again (bytes {}..{})", path, bat,
-                                  bat + blen));
+          throw Error(fmt::format("checkpoint: {} was truncated (or could not be read) while it was read again "
+                                  "(bytes {}..{})",
+                                  path, bat, bat + blen));
         }
         if (crc != f.block_crcs[b]) {
           throw Error(fmt::format("checkpoint: {} changed after it was checked: bytes {}..{} no longer match their "
                                   "CRC32C",
                                   path, bat, bat + blen));
         }
-      };
-      const int64_t lo = std::max(bat, r.offset), hi = std::min(bat + blen, r.offset + r.n);
-      if (r.out) {
-        std::memcpy(r.out + (lo - r.offset), p + (lo - bat), static_cast<size_t>(hi - lo));
-      } else if (sink) {
-        sink(i, lo - r.offset, p + (lo - bat), hi - lo);
       }
-      // Checked after they went out: the bytes applied are the bytes checked (what a failure here
-      // leaves, partly applied state, is what one before the block would have left too).
-      check();
+    };
+    int64_t win_lo = 0, win_hi = 0;
+    for (int64_t b0 = first; b0 <= last;) {
+      const int64_t at0 = b0 * cb;
+      if (at0 >= f.bytes || last >= static_cast<int64_t>(f.block_crcs.size())) {
+        throw Error(fmt::format("checkpoint: {} is truncated: byte {} is past its end", path, at0));
+      }
+      if (at0 >= win_hi) {
+        if (win_hi > 0) m.drop(win_lo, at0);
+        win_lo = at0;
+        win_hi = std::min(f.bytes, at0 + kWindow);
+        m.will_need(win_hi, std::min(f.bytes, win_hi + kWindow));
+      }
+      const int64_t b1 = std::min({last + 1, b0 + kGroup, (win_hi + cb - 1) / cb});
+      const int64_t lo = std::max(at0, r.offset), hi = std::min({b1 * cb, f.bytes, r.offset + r.n});
+      const char* p = m.data() + lo;
+      try {
+        if (r.out) {
+          std::memcpy(r.out + (lo - r.offset), p, static_cast<size_t>(hi - lo));
+        } else if (sink) {
+          sink(i, lo - r.offset, p, hi - lo);
+        }
+      } catch (...) {
+        verify(b0, b1);  // a truncated or changed file is the cause to name, when it is one
+        throw;
+      }
+      // Checked after they went out: a block changed since the first pass is found (unless it was
+      // changed back meanwhile), and what a failure leaves, partly applied state, is what a failure
+      // before the block would have left too.
+      verify(b0, b1);
+      b0 = b1;
     }
-    m.drop(std::max<int64_t>(0, mapped_to - kWindow), mapped_to);
+    // The pages used go, but for a last block the next read shares.
+    const CheckedReader::Read* next = i + 1 < reads.size() ? &reads[i + 1] : nullptr;
+    const bool shared = next && next->path == r.path && next->n > 0 && next->offset / cb == last;
+    m.drop(win_lo, shared ? last * cb : std::min(f.bytes, (last + 1) * cb));
   }
   return true;
 }

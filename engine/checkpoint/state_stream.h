@@ -80,46 +80,61 @@ struct LoadItem {
   int64_t es;  // bytes per element in the file
 };
 
-// A load's second pass: the checked bytes of each read applied where they belong (Engine::load_state),
-// whole elements straight from the caller's bytes, an element split between two calls through a
-// small staging buffer.
+// A load's second pass: the checked bytes of each read applied where they belong (Engine::load_state):
+// whole elements straight from the caller's bytes where they are aligned for their type, the rest
+// (an element split between two calls, bytes at an address not aligned for their type) through an
+// 8 MiB staging buffer, whole elements from there.
 class StreamApplier {
  public:
+  // walk: opens each range's group as it comes (null: every range is present).
   StreamApplier(const std::vector<LoadItem>& items, const std::vector<std::pair<size_t, int64_t>>& read_to,
-                GroupWalk& walk)
+                GroupWalk* walk)
       : items_(items), read_to_(read_to), walk_(walk), buf_(kBytes) {}
   void take(size_t read, int64_t at, const char* p, int64_t n) {
     if (read != cur_) {
       flush();
       cur_ = read;
       done_ = 0;
-      walk_.at(*items_[read_to_[read].first].range);
+      if (walk_) walk_->at(*items_[read_to_[read].first].range);
     }
     ZEAL_CHECK(at == done_ + fill_) << "checkpoint bytes out of order";
-    if (fill_ == 0) {
-      const int64_t es = items_[read_to_[cur_].first].es, whole = n / es * es;
-      if (whole > 0) put(p, whole);
-      p += whole;
-      n -= whole;
-    }
+    const int64_t es = items_[read_to_[cur_].first].es;
     while (n > 0) {
-      const int64_t k = std::min(n, kBytes - fill_);
+      if (fill_ == 0 && n >= es && reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(es) == 0) {
+        const int64_t whole = n / es * es;
+        put(p, whole);
+        p += whole;
+        n -= whole;
+        continue;
+      }
+      // Staged: what completes a split element, else as much as the buffer takes.
+      const int64_t k = fill_ % es != 0 ? std::min(n, es - fill_ % es) : std::min(n, kBytes - fill_);
       std::memcpy(buf_.data() + fill_, p, static_cast<size_t>(k));
       fill_ += k;
       p += k;
       n -= k;
-      if (fill_ == kBytes) flush();
+      if (fill_ % es == 0 || fill_ == kBytes) drain();
     }
   }
+  // The read's last bytes (whole elements) applied.
   void flush() {
     if (fill_ == 0) return;
-    const int64_t n = fill_;
-    fill_ = 0;
-    put(buf_.data(), n);
+    drain();
+    ZEAL_CHECK(fill_ == 0) << "a partial element of " << items_[read_to_[cur_].first].range->name;
   }
+  // Whether any bytes were applied.
+  bool applied() const { return applied_; }
 
  private:
-  // `n` bytes at p (whole elements) are the next of the current read's range.
+  // The whole elements staged go; a split one's first bytes stay.
+  void drain() {
+    const int64_t es = items_[read_to_[cur_].first].es, whole = fill_ / es * es;
+    if (whole == 0) return;
+    put(buf_.data(), whole);
+    std::memmove(buf_.data(), buf_.data() + whole, static_cast<size_t>(fill_ - whole));
+    fill_ -= whole;
+  }
+  // `n` bytes at p (whole elements, aligned for their type) are the next of the current read's range.
   void put(const char* p, int64_t n) {
     const LoadItem& it = items_[read_to_[cur_].first];
     const zero::StateRange& r = *it.range;
@@ -128,14 +143,16 @@ class StreamApplier {
     put_elements(r, it.kind, first,
                  at::from_blob(const_cast<char*>(p), {n / it.es}, at::TensorOptions().dtype(at_dtype(it.dtype))));
     done_ += n;
+    applied_ = true;
   }
   static constexpr int64_t kBytes = 8 << 20;  // a multiple of every element size
   const std::vector<LoadItem>& items_;
   const std::vector<std::pair<size_t, int64_t>>& read_to_;
-  GroupWalk& walk_;
+  GroupWalk* walk_;
   std::vector<char> buf_;
   size_t cur_ = static_cast<size_t>(-1);
   int64_t done_ = 0, fill_ = 0;
+  bool applied_ = false;
 };
 
 // The rank's file's bytes, in the plan's order, through `sink`; each range's group opened as it comes.

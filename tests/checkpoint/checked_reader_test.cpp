@@ -169,7 +169,7 @@ TEST(ReadMapped, ABlockChangedOrAFileTruncatedMeanwhileIsNamedAndTheProcessLives
   int64_t went = 0;
   expect_error(a.path.string() + " changed after it was checked: bytes " + std::to_string(4 * kCrcBlock) + "..",
                [&](size_t, int64_t, const char*, int64_t n) { went += n; });
-  EXPECT_EQ(went, 5 * kCrcBlock - 10) << "blocks 0-4 went out before the change was found";
+  EXPECT_EQ(went, 8 * kCrcBlock - 10) << "the first piece (blocks 0-7) went out before the change was found";
   std::ofstream(a.path, std::ios::binary).write(a.data.data(), static_cast<std::streamsize>(a.data.size()));
   // Another size than the manifest's, before anything goes out.
   ::truncate(a.path.c_str(), 3 * kCrcBlock);
@@ -180,7 +180,8 @@ TEST(ReadMapped, ABlockChangedOrAFileTruncatedMeanwhileIsNamedAndTheProcessLives
   std::ofstream(a.path, std::ios::binary).write(a.data.data(), static_cast<std::streamsize>(a.data.size()));
   // Truncated while the bytes go out: the pages past the new end would raise SIGBUS.
   bool cut = false;
-  expect_error(a.path.string() + " was truncated while it was read again", [&](size_t, int64_t, const char*, int64_t) {
+  expect_error(a.path.string() + " was truncated (or could not be read) while it was read again",
+               [&](size_t, int64_t, const char*, int64_t) {
     if (!cut) ::truncate(a.path.c_str(), 2 * kCrcBlock);
     cut = true;
   });
@@ -209,6 +210,58 @@ TEST(ReadMappedDeathTest, ASigbusNotItsOwnStillEndsTheProcess) {
         std::exit(0);
       },
       ::testing::KilledBySignal(SIGBUS), "");
+}
+
+// A handler the program had before gets the SIGBUS that is not a mapping's, with its own semantics:
+// a plain handler sees the fault, an ignored SIGBUS sent by a process stays ignored, an SA_SIGINFO
+// handler gets one sent by a process; and a MappedFile made afterwards still turns a truncation
+// into an error.
+void exit_three(int) { std::_Exit(3); }
+void exit_four(int, siginfo_t*, void*) { std::_Exit(4); }
+
+// SIGBUS ignored, one sent by the process itself, then a truncation under read_mapped: exits with 5
+// when that was named.
+void ignored_then_truncated(const File& a) {
+  ::signal(SIGBUS, SIG_IGN);
+  { offload::MappedFile held(a.path.string(), 4 * kCrcBlock); }
+  ::raise(SIGBUS);  // ignored, as before
+  const std::vector<CheckedReader::Read> reads{{a.path, &a.saved, 0, 4 * kCrcBlock, nullptr}};
+  try {
+    read_mapped(reads, [&](size_t, int64_t, const char*, int64_t) { ::truncate(a.path.c_str(), kCrcBlock); });
+  } catch (const Error& e) {
+    std::_Exit(std::string(e.what()).find("was truncated") != std::string::npos ? 5 : 6);
+  }
+  std::_Exit(0);
+}
+
+TEST(ReadMappedDeathTest, TheDispositionFromBeforeGetsWhatIsNotAMappings) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  File a("me", 4 * kCrcBlock, 10);
+  EXPECT_EXIT(
+      {
+        ::signal(SIGBUS, exit_three);
+        offload::MappedFile held(a.path.string(), 4 * kCrcBlock);
+        const int fd = ::open(a.path.c_str(), O_RDONLY);
+        auto* p = static_cast<volatile char*>(::mmap(nullptr, 4 * kCrcBlock, PROT_READ, MAP_SHARED, fd, 0));
+        ::truncate(a.path.c_str(), 0);
+        std::printf("%d", p[3 * kCrcBlock]);
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(3), "");
+  std::ofstream(a.path, std::ios::binary).write(a.data.data(), static_cast<std::streamsize>(a.data.size()));
+  EXPECT_EXIT(ignored_then_truncated(a), ::testing::ExitedWithCode(5), "");
+  std::ofstream(a.path, std::ios::binary).write(a.data.data(), static_cast<std::streamsize>(a.data.size()));
+  EXPECT_EXIT(
+      {
+        struct sigaction sa {};
+        sa.sa_sigaction = exit_four;
+        sa.sa_flags = SA_SIGINFO;
+        ::sigaction(SIGBUS, &sa, nullptr);
+        offload::MappedFile held(a.path.string(), 4 * kCrcBlock);
+        ::raise(SIGBUS);
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(4), "");
 }
 
 }  // namespace
