@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -125,6 +126,17 @@ bool MappedFile::lost() const { return g_slots[slot_].lost.load(std::memory_orde
 int64_t MappedFile::file_size() const {
   struct stat st {};
   return ::fstat(fd_, &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+}
+
+double MappedFile::resident_fraction(int64_t begin, int64_t end) const {
+  const int64_t page = static_cast<int64_t>(g_page);
+  const int64_t b = std::max<int64_t>(begin, 0) / page * page, e = std::min(end, mapped_);
+  if (e <= b) return 1.0;
+  std::vector<unsigned char> in(static_cast<size_t>((e - b + page - 1) / page));
+  if (::mincore(data_ + b, static_cast<size_t>(e - b), in.data()) != 0) return 0.0;
+  int64_t held = 0;
+  for (unsigned char c : in) held += c & 1;
+  return static_cast<double>(held) / static_cast<double>(in.size());
 }
 
 void MappedFile::will_need(int64_t begin, int64_t end) const {

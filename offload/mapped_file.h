@@ -26,6 +26,9 @@ class MappedFile {
   bool lost() const;
   // The file's size now (fstat), to compare with what the caller expects before reading.
   int64_t file_size() const;
+  // The fraction of the pages of bytes [begin, end) that the page cache holds now (mincore; 0 where
+  // it cannot say).
+  double resident_fraction(int64_t begin, int64_t end) const;
   // Starts reading bytes [begin, end) into the page cache, without waiting (MADV_WILLNEED).
   void will_need(int64_t begin, int64_t end) const;
   // Unmaps the pages wholly inside [begin, end) from this process (MADV_DONTNEED; they stay in the

@@ -62,11 +62,15 @@ class CheckedReader {
 void read_checked(const std::filesystem::path& path, const SavedFile& f, int64_t offset, int64_t n, char* out);
 
 // The reads again, through read-only mappings of the files: no copy out of the page cache, for bytes
-// a first pass has just put there (a load's second pass). A MiB block at a time, its CRC32C checked
-// once its bytes went to `sink` (or `out`), so that what was applied is what was checked; a file whose size differs from the manifest's, that changed or that was truncated
-// meanwhile (no SIGBUS: see offload::MappedFile) is a zeal::Error naming it and the bytes. False,
-// with nothing read, where a file cannot be mapped: the caller reads them otherwise.
-bool read_mapped(const std::vector<CheckedReader::Read>& reads, const CheckedReader::Sink& sink);
+// a first pass has just put there (a load's second pass). `piece` bytes (whole blocks) at a time,
+// their CRC32Cs checked once their bytes went to `sink` (or `out`): one block keeps them in the
+// CPU's cache for the check; a device destination wants fewer, larger copies. A file whose size
+// differs from the manifest's, that changed or that was truncated meanwhile (no SIGBUS: see
+// offload::MappedFile) is a zeal::Error naming it and the bytes. False, with nothing read, where a
+// file cannot be mapped or the page cache holds less than 90 % of the bytes (reading them from the
+// disk through mappings is slower than the reader's threads): the caller reads them otherwise.
+bool read_mapped(const std::vector<CheckedReader::Read>& reads, const CheckedReader::Sink& sink,
+                 int64_t piece = kCrcBlock);
 
 // The checkpoint directory `dir` means: itself when it holds manifest.json, else the one its
 // `latest` names.
