@@ -548,16 +548,10 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     maybe_change_between_passes(reads.front().path.string(), reads.front().offset + reads.front().n / 2, c.rank());
   }
   std::string reread;
-  bool applied = false;  // whether pass two changed anything on this rank before it failed
+  GroupWalk walk(z, /*changed=*/true);
+  StreamApplier apply(items, read_to, &walk);  // apply.applied(): whether pass two changed anything
   try {
     c10::NoGradGuard no_grad;
-    GroupWalk walk(z, /*changed=*/true);
-    StreamApplier apply(items, read_to, &walk);
-    struct Applied {  // whether `apply` applied anything, however the block is left
-      StreamApplier& a;
-      bool& out;
-      ~Applied() { out = a.applied(); }
-    } note_applied{apply, applied};
     if (read_once) {
       for (size_t i = 0; i < reads.size(); ++i) apply.take(i, 0, reads[i].out, reads[i].n);
     } else {
@@ -584,7 +578,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   }
   z.end_state_access(/*changed=*/true);
   if (const std::string again = agreed_failures(*this, reread); !again.empty()) {
-    const auto said = all_strings(*this, applied ? "1" : "0");
+    const auto said = all_strings(*this, apply.applied() ? "1" : "0");
     if (std::find(said.begin(), said.end(), "1") == said.end()) {
       throw Error(fmt::format("load_state: {}: the checkpoint was checked, then failed when read again to be applied "
                               "(did it change meanwhile?), before anything was applied: nothing was changed:{}",

@@ -113,26 +113,21 @@ class StreamApplier {
       fill_ += k;
       p += k;
       n -= k;
-      if (fill_ % es == 0 || fill_ == kBytes) drain();
+      if (fill_ % es == 0) drain();  // also when full: kBytes is a multiple of every element size
     }
   }
   // The read's last bytes (whole elements) applied.
   void flush() {
-    if (fill_ == 0) return;
-    drain();
-    ZEAL_CHECK(fill_ == 0) << "a partial element of " << items_[read_to_[cur_].first].range->name;
+    if (fill_ > 0) drain();
   }
   // Whether any bytes were applied.
   bool applied() const { return applied_; }
 
  private:
-  // The whole elements staged go; a split one's first bytes stay.
+  // The staged bytes go (whole elements: staging stops at each element's end; put checks it).
   void drain() {
-    const int64_t es = items_[read_to_[cur_].first].es, whole = fill_ / es * es;
-    if (whole == 0) return;
-    put(buf_.data(), whole);
-    std::memmove(buf_.data(), buf_.data() + whole, static_cast<size_t>(fill_ - whole));
-    fill_ -= whole;
+    put(buf_.data(), fill_);
+    fill_ = 0;
   }
   // `n` bytes at p (whole elements, aligned for their type) are the next of the current read's range.
   void put(const char* p, int64_t n) {
