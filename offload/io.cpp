@@ -253,13 +253,13 @@ std::unique_ptr<IoEngine> make_io_engine(const IoOptions& o, bool force_threads,
   return std::make_unique<ThreadEngine>(o);
 }
 
-AlignedBuffer::AlignedBuffer(int64_t bytes) {
+AlignedBuffer::AlignedBuffer(int64_t bytes, bool zeroed) {
   size_ = (std::max<int64_t>(bytes, 0) + kIoAlign - 1) / kIoAlign * kIoAlign;
   if (size_ == 0) size_ = kIoAlign;
   host_cache_make_room(static_cast<size_t>(size_));  // not beside cached blocks
   data_ = static_cast<char*>(std::aligned_alloc(kIoAlign, static_cast<size_t>(size_)));
   if (!data_) throw Error(fmt::format("offload: cannot allocate a {}-byte I/O buffer", size_));
-  std::memset(data_, 0, static_cast<size_t>(size_));
+  if (zeroed) std::memset(data_, 0, static_cast<size_t>(size_));
 }
 
 AlignedBuffer::~AlignedBuffer() { std::free(data_); }

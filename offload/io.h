@@ -95,9 +95,11 @@ class IoEngine {
 std::unique_ptr<IoEngine> make_io_engine(const IoOptions& o, bool force_threads = false,
                                          std::string* why_not_uring = nullptr);
 
-// Memory for O_DIRECT transfers: `bytes` rounded up to kIoAlign, aligned to it, zero-filled.
+// Memory for O_DIRECT transfers: `bytes` rounded up to kIoAlign, aligned to it, zero-filled unless
+// `zeroed` is false (for memory whose every byte is written before it is read: its pages are then
+// faulted in where they are first written instead of all here).
 struct AlignedBuffer {
-  explicit AlignedBuffer(int64_t bytes);
+  explicit AlignedBuffer(int64_t bytes, bool zeroed = true);
   ~AlignedBuffer();
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
