@@ -28,6 +28,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -384,6 +385,12 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   std::unique_ptr<ckpt::CheckedReader> reader;
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // the model's, read
   std::vector<std::unique_ptr<char[]>> kept;  // each read's bytes, when they fit the budget
+  // Reads put in place as pass one checks them (optimizer state still at its zeros), their steps, and
+  // what applies them.
+  std::vector<char> in_place;
+  std::set<zero::ShardStep*> zeroed;
+  StreamApplier early(items, read_to, /*walk=*/nullptr);
+  int64_t in_place_bytes = 0;
   std::vector<std::pair<std::string, at::Tensor>> frozen_whole;  // stages 0-2
   std::vector<std::string> custom;                                 // register_for_checkpointing
   json m;
@@ -525,11 +532,28 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
       prefault = std::make_unique<offload::Prefaulter>(std::move(fresh));
     }
     // Two passes read through the page cache: the second finds there what memory pressure left of
-    // the first (the page cache is the kernel's to give back, not this process's).
+    // the first (the page cache is the kernel's to give back, not this process's). Optimizer state
+    // that still holds the zeros it was made with (a resume before its first step) has nothing a
+    // failed load must keep: it is put in place as pass one checks its blocks, not read again, and
+    // zeroed again if any rank fails.
+    in_place.assign(reads.size(), 0);
+    if (kept.empty()) {
+      for (size_t i = 0; i < reads.size(); ++i) {
+        const LoadItem& it = items[read_to[i].first];
+        const zero::StateRange& r = *it.range;
+        in_place[i] = it.kind != "master" && it.kind != "param" && r.step != nullptr && r.step->state_zero() &&
+                      r.step->host_state(it.kind, r.index + read_to[i].second, reads[i].n / it.es) != nullptr;
+        if (in_place[i]) zeroed.insert(r.step), in_place_bytes += reads[i].n;
+      }
+    }
     reader = std::make_unique<ckpt::CheckedReader>(32 << 20, /*direct=*/!kept.empty());
     reader->read_many(buffer_reads);
     t_read = std::chrono::steady_clock::now();
-    reader->read_many(reads);  // pass one: checked (and kept, within the budget)
+    // Pass one: checked (and kept, within the budget; or put in place, see above).
+    reader->read_many(reads, [&](size_t i, int64_t at, const char* p, int64_t n) {
+      if (in_place[i]) early.take(i, at, p, n);
+    });
+    early.flush();
     for (const auto& r : reads) pass_bytes += r.n;
   } catch (const std::exception& e) {
     error = e.what();
@@ -540,12 +564,18 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   const auto t_agreed = std::chrono::steady_clock::now();
   const bool read_once = !kept.empty();
   if (!failed.empty()) {
+    for (zero::ShardStep* s : zeroed) s->zero_state();  // what was put in place: zeros again
     z.end_state_access(/*changed=*/false);
     throw Error(fmt::format("load_state: {}: nothing was changed:{}", dir.string(), failed));
   }
-  // Pass two: the same reads, checked again, applied as they come.
-  if (!reads.empty()) {
-    maybe_change_between_passes(reads.front().path.string(), reads.front().offset + reads.front().n / 2, c.rank());
+  // Pass two: the reads not yet in place, checked again, applied as they come.
+  std::vector<ckpt::CheckedReader::Read> again;
+  std::vector<size_t> again_to;  // each one's index in `reads`
+  for (size_t i = 0; i < reads.size(); ++i) {
+    if (read_once || !in_place[i]) again.push_back(reads[i]), again_to.push_back(i);
+  }
+  if (!again.empty()) {
+    maybe_change_between_passes(again.front().path.string(), again.front().offset + again.front().n / 2, c.rank());
   }
   std::string reread;
   GroupWalk walk(z, /*changed=*/true);
@@ -557,15 +587,15 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     } else {
       // Through mappings of the files (the page cache's pages themselves, no copy into the reader's
       // buffers), else read again.
-      const auto take = [&](size_t i, int64_t at, const char* p, int64_t n) { apply.take(i, at, p, n); };
+      const auto take = [&](size_t j, int64_t at, const char* p, int64_t n) { apply.take(again_to[j], at, p, n); };
       reader.reset();  // its spans go: the mapped window takes their place
       // A MiB at a time into host memory (checked while in the CPU's cache), 8 MiB to a device.
       const int64_t piece = device().is_cpu() ? ckpt::kCrcBlock : int64_t{8} << 20;
-      if (!ckpt::read_mapped(reads, take, piece)) {
+      if (!ckpt::read_mapped(again, take, piece)) {
         log::debug("load_state: {}: read again with the reader's threads (a file could not be mapped, or the "
                    "page cache no longer holds the bytes)",
                    dir.string());
-        ckpt::CheckedReader(32 << 20, /*direct=*/false).read_many(reads, take);
+        ckpt::CheckedReader(32 << 20, /*direct=*/false).read_many(again, take);
       }
     }
     apply.flush();
@@ -578,7 +608,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   }
   z.end_state_access(/*changed=*/true);
   if (const std::string again = agreed_failures(*this, reread); !again.empty()) {
-    const auto said = all_strings(*this, apply.applied() ? "1" : "0");
+    const auto said = all_strings(*this, apply.applied() || early.applied() ? "1" : "0");
     if (std::find(said.begin(), said.end(), "1") == said.end()) {
       throw Error(fmt::format("load_state: {}: the checkpoint was checked, then failed when read again to be applied "
                               "(did it change meanwhile?), before anything was applied: nothing was changed:{}",
@@ -591,9 +621,10 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   }
   const auto t_applied = std::chrono::steady_clock::now();  // pass two done on every rank
   const auto secs = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
-  log::debug("load_state: {} bytes {}: read and checked in {:.2f} s ({:.2f} GB/s), the ranks agreed (the slower "
-             "one waited for) in {:.2f} s, {} in {:.2f} s ({:.2f} GB/s)",
-             pass_bytes, read_once ? "read once" : "in two passes", secs(t_read, t_checked),
+  log::debug("load_state: {} bytes {} ({} of them put in place as they were checked: optimizer state still at its "
+             "zeros): read and checked in {:.2f} s ({:.2f} GB/s), the ranks agreed (the slower one waited for) in "
+             "{:.2f} s, {} in {:.2f} s ({:.2f} GB/s)",
+             pass_bytes, read_once ? "read once" : "in two passes", in_place_bytes, secs(t_read, t_checked),
              pass_bytes / std::max(1e-9, secs(t_read, t_checked)) / 1e9, secs(t_checked, t_agreed),
              read_once ? "applied" : "read again and applied", secs(t_agreed, t_applied),
              pass_bytes / std::max(1e-9, secs(t_agreed, t_applied)) / 1e9);

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <future>
 
 #include "engine/error.h"
@@ -540,6 +541,7 @@ void ShardStep::each_out(const std::function<void(const Piece&)>& f) {
 
 void ShardStep::apply(double lr, double inv_scale) {
   c10::NoGradGuard no_grad;
+  state_touched_ = true;
   optimizer_->set_lr(lr);
   if (total_ == 0) return;
   if (swap_) return apply_nvme(inv_scale);
@@ -633,13 +635,29 @@ const float* ShardStep::host_state(const std::string& what, int64_t index, int64
   return it == st.end() ? nullptr : at(it->second, index);
 }
 
+void ShardStep::zero_state() {
+  ZEAL_CHECK(!swap_) << "zero_state of an NVMe-offloaded optimizer state";
+  c10::NoGradGuard no_grad;
+  for (const auto& [k, v] : optimizer_->state())
+    if (v.defined()) v.zero_();
+  state_touched_ = false;
+}
+
 void ShardStep::state_io(const std::string& what, int64_t index, int64_t n, float* buf, bool write) {
   if (n <= 0) return;
   finish_writes();
+  if (write && what != "master") state_touched_ = true;
   ZEAL_CHECK(index >= 0 && index + n <= total_) << "state range [" << index << ", " << index + n
                                                   << ") outside a partition of " << total_;
   c10::NoGradGuard no_grad;
   auto move = [&](const at::Tensor& t, float* p) {  // t: fp32 elements anywhere, p: host
+    if (t.device().is_cpu() && t.is_contiguous()) {
+      // One thread's memcpy: a load calls this a MiB at a time while its reader threads read, and
+      // the intra-op threads a parallel copy_ wakes would take the cores from them.
+      const size_t bytes = static_cast<size_t>(t.numel()) * sizeof(float);
+      write ? std::memcpy(t.data_ptr<float>(), p, bytes) : std::memcpy(p, t.data_ptr<float>(), bytes);
+      return;
+    }
     at::Tensor h = at::from_blob(p, {t.numel()}, at::kFloat);
     if (write) {
       t.copy_(h);

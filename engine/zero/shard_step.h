@@ -181,6 +181,12 @@ class ShardStep {
   // memory, when they do (a save then copies them once, straight from there); else null (on a
   // device, on NVMe, or across pieces of aliased parameters).
   const float* host_state(const std::string& what, int64_t index, int64_t n) const;
+  // Whether the optimizer state (not the master) still holds the zeros it was made with: no step and
+  // no write_state of it since it was made (or since zero_state). A load may then write it in place
+  // while it checks the checkpoint, and zero it again if the load fails.
+  bool state_zero() const { return !state_touched_; }
+  // The optimizer state back to its zeros (a failed load that wrote it in place, see state_zero).
+  void zero_state();
   void read_state(const std::string& what, int64_t index, int64_t n, float* buf) { state_io(what, index, n, buf, false); }
   void write_state(const std::string& what, int64_t index, int64_t n, const float* buf) {
     state_io(what, index, n, const_cast<float*>(buf), true);
@@ -255,6 +261,7 @@ class ShardStep {
   std::vector<Piece> pieces_;
   at::Tensor grad32_, alias_;
   bool grad32_ready_ = false;
+  bool state_touched_ = false;  // see state_zero
   double pending_scale_ = 1.0;
   bool fused_ = false;
 };

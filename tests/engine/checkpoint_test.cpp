@@ -3,7 +3,8 @@
 // samples in the same steps. At the same world size and stage the final parameters are the same
 // bits (every stage, bf16, accumulation, CPU and NVMe offload, frozen weights); at another world
 // size and stage within 1e-5 (other summation orders). A corrupted, truncated or missing file fails
-// the load naming it, with the parameters untouched; a save killed mid-way leaves the previous
+// the load naming it, with the parameters and the optimizer state untouched (also where a new
+// engine's state went in place as it was checked); a save killed mid-way leaves the previous
 // checkpoint and `latest` as they were; total_limit keeps the newest; Python's safetensors reads
 // the files.
 #include <gtest/gtest.h>
@@ -227,27 +228,31 @@ std::string saved_checkpoint(const std::string& name, RunSpec s) {
   return ckpt;
 }
 
-// What a load of `ckpt` on s.world ranks gives: rank 0's error ("accepted" without one), and
-// whether every rank's parameters stayed as prepare made them.
+// What a load of `ckpt` on s.world ranks gives, after `steps` steps (0: straight after prepare, as a
+// resume): rank 0's error ("accepted" without one), and whether every rank's parameters stayed as
+// they were and its whole state (master, optimizer state: what save_state writes) kept its bytes.
 std::pair<std::string, bool> load_error(const std::string& ckpt, const RunSpec& s,
-                                        const zeal::LoadStateOptions& options = {}) {
+                                        const zeal::LoadStateOptions& options = {}, int steps = 0) {
   const std::string out = temp_dir("ckpt_damage_out");
   auto results = zeal::spawn(
       [&](zeal::Runtime& rt) {
         zeal::Engine engine(make_config(s), rt);
         zeal_test::Setup u = make_setup(s);
         auto [m, o] = engine.prepare(u.model, *u.opt);
+        train_steps(engine, m, o, s, 0, steps);
         at::Tensor before;
         {
           auto g = engine.gathered();
           before = flat_params(*m);
         }
+        engine.save_state(out + "/before");
         std::string msg = "accepted";
         try {
           engine.load_state(ckpt, options);
         } catch (const zeal::Error& e) {
           msg = e.what();
         }
+        engine.save_state(out + "/after");
         auto g = engine.gathered();
         const std::string me = std::to_string(engine.process_index());
         write_tensor(out + "/same_" + me, at::tensor({at::equal(before, flat_params(*m)) ? 1 : 0}));
@@ -256,9 +261,17 @@ std::pair<std::string, bool> load_error(const std::string& ckpt, const RunSpec& 
       s.world);
   EXPECT_EQ(zeal::describe_failures(results), "");
   bool same = true;
+  const auto bytes = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
   for (int r = 0; r < s.world; ++r) {
     const std::string f = out + "/same_" + std::to_string(r);
     same = same && fs::exists(f) && read_tensor(f).item<int64_t>() == 1;
+    const std::string file = fmt::format("rank{}.safetensors", r);
+    const bool state_same = bytes(fs::path(out) / "before" / file) == bytes(fs::path(out) / "after" / file);
+    EXPECT_GT(bytes(fs::path(out) / "before" / file).size(), 0u) << file;
+    same = same && state_same;
   }
   std::ifstream f(out + "/message_0");
   std::string error((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -308,7 +321,26 @@ TEST(CheckpointDamage, CorruptTruncatedAndMissingFilesAreNamedAndChangeNothing) 
     const auto [e, same] = load_error(ckpt, s);
     EXPECT_NE(e.find("rank1.safetensors is corrupted"), std::string::npos) << e;
     EXPECT_NE(e.find("nothing was changed"), std::string::npos) << e;
-    EXPECT_TRUE(same) << "a failed load changed the parameters";
+    EXPECT_TRUE(same) << "a failed load changed the parameters or the optimizer state";
+    // After steps (the optimizer state no longer zeros: pass one only checks it).
+    const auto [e2, same2] = load_error(ckpt, s, {}, /*steps=*/2);
+    EXPECT_NE(e2.find("nothing was changed"), std::string::npos) << e2;
+    EXPECT_TRUE(same2) << "a failed load after steps changed the parameters or the optimizer state";
+    // Stage 1 (a flat partition), the state in place before the corrupt block was found.
+    RunSpec one = spec(1, 2);
+    const std::string ckpt1 = saved_checkpoint("ckpt_damage_1", one);
+    const fs::path f1 = fs::path(ckpt1) / "rank1.safetensors";
+    std::string b1;
+    {
+      std::ifstream in(f1, std::ios::binary);
+      b1.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+    b1[b1.size() - 3] ^= 0x40;
+    std::ofstream(f1, std::ios::binary | std::ios::trunc).write(b1.data(), static_cast<std::streamsize>(b1.size()));
+    const auto [e3, same3] = load_error(ckpt1, one);
+    EXPECT_NE(e3.find("rank1.safetensors is corrupted"), std::string::npos) << e3;
+    EXPECT_TRUE(same3) << "a failed stage-1 load changed the parameters or the optimizer state";
+    fs::remove_all(ckpt1);
   }
   // Truncated.
   {

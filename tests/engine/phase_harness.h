@@ -24,6 +24,29 @@ struct Phase {
   zeal::LoadStateOptions load_options = {};
 };
 
+// Steps [from, to) of a run whose step k always sees the same global batch, through a prepared
+// model and optimizer.
+template <class M, class O>
+void train_steps(zeal::Engine& engine, M& m, O& o, const RunSpec& s, int from, int to) {
+  const int64_t per_step = s.micro_batch * s.world * s.accumulation;
+  at::Tensor tokens = make_tokens(per_step * kPhaseSteps);
+  for (int step = from; step < to; ++step) {
+    for (int micro = 0; micro < s.accumulation; ++micro) {
+      auto guard = engine.accumulate(m);
+      const int64_t first = step * per_step + (micro * s.world + engine.process_index()) * s.micro_batch;
+      at::Tensor loss;
+      {
+        auto ac = engine.autocast();
+        loss = lm_loss(m, tokens.narrow(0, first, s.micro_batch).to(engine.device()));
+      }
+      engine.backward(loss);
+      if (engine.sync_gradients() && s.clip > 0) engine.clip_grad_norm_(s.clip);
+      o.step();
+      o.zero_grad();
+    }
+  }
+}
+
 // Trains steps [from, to) of a run whose step k always sees the same global batch (samples
 // k·B … (k+1)·B − 1 of one fixed stream, B the global batch), on the spec's device, loading before
 // and saving after as asked; returns every rank's final parameters.
@@ -39,24 +62,10 @@ inline std::vector<at::Tensor> run_phase(const Phase& p, const std::string& name
         zeal_test::Setup u = make_setup(s);
         auto [m, o] = engine.prepare(u.model, *u.opt);
         if (!p.load.empty()) engine.load_state(p.load, p.load_options);
-        const int64_t per_step = s.micro_batch * s.world * s.accumulation;
-        at::Tensor tokens = make_tokens(per_step * kPhaseSteps);
         for (int step = p.from; step < p.to; ++step) {
           if (step == p.save_also_at && !p.save.empty()) engine.save_state(p.save + ".earlier", p.options);
           if (step == p.save_at && !p.save.empty()) engine.save_state(p.save, p.options);
-          for (int micro = 0; micro < s.accumulation; ++micro) {
-            auto guard = engine.accumulate(m);
-            const int64_t first = step * per_step + (micro * s.world + engine.process_index()) * s.micro_batch;
-            at::Tensor loss;
-            {
-              auto ac = engine.autocast();
-              loss = lm_loss(m, tokens.narrow(0, first, s.micro_batch).to(engine.device()));
-            }
-            engine.backward(loss);
-            if (engine.sync_gradients() && s.clip > 0) engine.clip_grad_norm_(s.clip);
-            o.step();
-            o.zero_grad();
-          }
+          train_steps(engine, m, o, s, step, step + 1);
         }
         if (!p.save.empty() && p.save_at < 0) engine.save_state(p.save, p.options);
         engine.wait_for_save();
