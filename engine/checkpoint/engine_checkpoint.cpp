@@ -385,12 +385,25 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   std::unique_ptr<ckpt::CheckedReader> reader;
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // the model's, read
   std::vector<std::unique_ptr<char[]>> kept;  // each read's bytes, when they fit the budget
-  // Reads put in place as pass one checks them (optimizer state still at its zeros), their steps, and
-  // what applies them.
+  // Reads put in place as pass one checks them (optimizer state still at its zeros), what applies
+  // them, and the steps whose state it wrote: they go back to zeros unless the load goes on to apply
+  // the rest (whatever ends it: an error on any rank, the agreement itself failing).
   std::vector<char> in_place;
-  std::set<zero::ShardStep*> zeroed;
   StreamApplier early(items, read_to, /*walk=*/nullptr);
   int64_t in_place_bytes = 0;
+  struct ZeroAgain {
+    std::set<zero::ShardStep*> steps;
+    void now() {
+      for (zero::ShardStep* s : steps) s->zero_state();
+      steps.clear();
+    }
+    ~ZeroAgain() {
+      try {
+        now();
+      } catch (...) {  // zeroing host memory does not fail; nothing may escape a destructor
+      }
+    }
+  } zero_again;
   std::vector<std::pair<std::string, at::Tensor>> frozen_whole;  // stages 0-2
   std::vector<std::string> custom;                                 // register_for_checkpointing
   json m;
@@ -543,7 +556,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
         const zero::StateRange& r = *it.range;
         in_place[i] = it.kind != "master" && it.kind != "param" && r.step != nullptr && r.step->state_zero() &&
                       r.step->host_state(it.kind, r.index + read_to[i].second, reads[i].n / it.es) != nullptr;
-        if (in_place[i]) zeroed.insert(r.step), in_place_bytes += reads[i].n;
+        if (in_place[i]) in_place_bytes += reads[i].n;
       }
     }
     reader = std::make_unique<ckpt::CheckedReader>(32 << 20, /*direct=*/!kept.empty());
@@ -551,7 +564,9 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     t_read = std::chrono::steady_clock::now();
     // Pass one: checked (and kept, within the budget; or put in place, see above).
     reader->read_many(reads, [&](size_t i, int64_t at, const char* p, int64_t n) {
-      if (in_place[i]) early.take(i, at, p, n);
+      if (!in_place[i]) return;
+      zero_again.steps.insert(items[read_to[i].first].range->step);  // before: a failed take may have written
+      early.take(i, at, p, n);
     });
     early.flush();
     for (const auto& r : reads) pass_bytes += r.n;
@@ -564,7 +579,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   const auto t_agreed = std::chrono::steady_clock::now();
   const bool read_once = !kept.empty();
   if (!failed.empty()) {
-    for (zero::ShardStep* s : zeroed) s->zero_state();  // what was put in place: zeros again
+    zero_again.now();  // what was put in place: zeros again
     z.end_state_access(/*changed=*/false);
     throw Error(fmt::format("load_state: {}: nothing was changed:{}", dir.string(), failed));
   }
@@ -607,18 +622,21 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     reread = e.what();
   }
   z.end_state_access(/*changed=*/true);
-  if (const std::string again = agreed_failures(*this, reread); !again.empty()) {
-    const auto said = all_strings(*this, apply.applied() || early.applied() ? "1" : "0");
+  if (const std::string failed_again = agreed_failures(*this, reread); !failed_again.empty()) {
+    const auto said = all_strings(*this, apply.applied() ? "1" : "0");
     if (std::find(said.begin(), said.end(), "1") == said.end()) {
+      zero_again.now();  // pass one's state in place (if any) was the only change: zeros again
       throw Error(fmt::format("load_state: {}: the checkpoint was checked, then failed when read again to be applied "
                               "(did it change meanwhile?), before anything was applied: nothing was changed:{}",
-                              dir.string(), again));
+                              dir.string(), failed_again));
     }
+    zero_again.steps.clear();  // partly loaded: the state stays as it is
     throw Error(fmt::format("load_state: {}: the checkpoint was checked, then failed when read again to be applied "
                             "(did it change meanwhile?): the model and optimizer are now partly loaded; load a "
                             "checkpoint again before training:{}",
-                            dir.string(), again));
+                            dir.string(), failed_again));
   }
+  zero_again.steps.clear();  // loaded: what went in place stays
   const auto t_applied = std::chrono::steady_clock::now();  // pass two done on every rank
   const auto secs = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
   log::debug("load_state: {} bytes {} ({} of them put in place as they were checked: optimizer state still at its "
@@ -626,8 +644,8 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
              "{:.2f} s, {} in {:.2f} s ({:.2f} GB/s)",
              pass_bytes, read_once ? "read once" : "in two passes", in_place_bytes, secs(t_read, t_checked),
              pass_bytes / std::max(1e-9, secs(t_read, t_checked)) / 1e9, secs(t_checked, t_agreed),
-             read_once ? "applied" : "read again and applied", secs(t_agreed, t_applied),
-             pass_bytes / std::max(1e-9, secs(t_agreed, t_applied)) / 1e9);
+             read_once ? "applied" : "the rest read again and applied", secs(t_agreed, t_applied),
+             (pass_bytes - in_place_bytes) / std::max(1e-9, secs(t_agreed, t_applied)) / 1e9);
   // Random number generators: each rank its own, when the world size is the one that saved them.
   const int saved_world = m["world_size"].get<int>();
   if (saved_world == c.world_size()) {

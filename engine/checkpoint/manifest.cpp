@@ -93,6 +93,11 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
     if (f.crc_block > impl_->span || f.crc_block <= 0) {
       throw Error(fmt::format("checkpoint: {}: CRC blocks of {} bytes", r.path.string(), f.crc_block));
     }
+    if (r.offset < 0 || r.offset + r.n > f.bytes) {  // else a block past the end would be checked
+      throw Error(fmt::format("checkpoint: {}: bytes {}..{} lie outside its {} bytes (the manifest does not match "
+                              "the file)",
+                              r.path.string(), r.offset, r.offset + r.n, f.bytes));
+    }
     const int64_t per_span = std::max<int64_t>(1, impl_->span / f.crc_block);
     const int64_t first = r.offset / f.crc_block, last = (r.offset + r.n - 1) / f.crc_block;
     for (int64_t b0 = first; b0 <= last; b0 += per_span) tasks.push_back({i, b0, std::min(last + 1, b0 + per_span)});

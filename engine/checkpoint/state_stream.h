@@ -89,7 +89,7 @@ class StreamApplier {
   // walk: opens each range's group as it comes (null: every range is present).
   StreamApplier(const std::vector<LoadItem>& items, const std::vector<std::pair<size_t, int64_t>>& read_to,
                 GroupWalk* walk)
-      : items_(items), read_to_(read_to), walk_(walk), buf_(kBytes) {}
+      : items_(items), read_to_(read_to), walk_(walk) {}
   void take(size_t read, int64_t at, const char* p, int64_t n) {
     if (read != cur_) {
       flush();
@@ -108,6 +108,7 @@ class StreamApplier {
         continue;
       }
       // Staged: what completes a split element, else as much as the buffer takes.
+      if (buf_.empty()) buf_.resize(kBytes);  // on first use: most loads never stage
       const int64_t k = fill_ % es != 0 ? std::min(n, es - fill_ % es) : std::min(n, kBytes - fill_);
       std::memcpy(buf_.data() + fill_, p, static_cast<size_t>(k));
       fill_ += k;
@@ -144,7 +145,7 @@ class StreamApplier {
   const std::vector<LoadItem>& items_;
   const std::vector<std::pair<size_t, int64_t>>& read_to_;
   GroupWalk* walk_;
-  std::vector<char> buf_;
+  std::vector<char> buf_;  // the staging, made when first needed
   size_t cur_ = static_cast<size_t>(-1);
   int64_t done_ = 0, fill_ = 0;
   bool applied_ = false;

@@ -113,6 +113,27 @@ TEST(CheckedReader, ACorruptedBlockInAnySpanIsNamed) {
   }
 }
 
+// A manifest whose CRC list runs past its file's bytes, and a read past them (a hostile or
+// damaged manifest): an error naming the file, not a check of bytes that are not there.
+TEST(CheckedReader, AReadPastTheFilesEndIsNamed) {
+  File a("e", 3 * kCrcBlock + 10, 5);
+  SavedFile longer = a.saved;
+  longer.block_crcs.push_back(0);
+  longer.block_crcs.push_back(0);
+  for (bool direct : {true, false}) {
+    CheckedReader reader(32 << 20, direct);
+    std::vector<char> out(3 * kCrcBlock);
+    try {
+      reader.read_many({{a.path, &longer, 2 * kCrcBlock, 3 * kCrcBlock, out.data()}});
+      FAIL() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(a.path.string() + ": bytes 2097152..5242880 lie outside its 3145738 bytes"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 // Resident set now, bytes (/proc/self/statm).
 int64_t resident() {
   std::ifstream f("/proc/self/statm");

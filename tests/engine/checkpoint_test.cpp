@@ -15,6 +15,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -323,7 +326,7 @@ TEST(CheckpointDamage, CorruptTruncatedAndMissingFilesAreNamedAndChangeNothing) 
     EXPECT_NE(e.find("nothing was changed"), std::string::npos) << e;
     EXPECT_TRUE(same) << "a failed load changed the parameters or the optimizer state";
     // After steps (the optimizer state no longer zeros: pass one only checks it).
-    const auto [e2, same2] = load_error(ckpt, s, {}, /*steps=*/2);
+    const auto [e2, same2] = load_error(ckpt, s, {}, /*steps=*/1);  // not the checkpoint's 2: other state
     EXPECT_NE(e2.find("nothing was changed"), std::string::npos) << e2;
     EXPECT_TRUE(same2) << "a failed load after steps changed the parameters or the optimizer state";
     // Stage 1 (a flat partition), the state in place before the corrupt block was found.
@@ -366,6 +369,110 @@ TEST(CheckpointDamage, CorruptTruncatedAndMissingFilesAreNamedAndChangeNothing) 
     EXPECT_TRUE(same);
   }
   fs::remove_all(ckpt);
+}
+
+// A new engine's optimizer state (still the zeros it was made with) goes in place as the first pass
+// checks it (the debug line says how many bytes) and nothing of it is read again; where one rank's
+// file fails after part of that rank's state went in, every rank's state is zeros again. An engine
+// whose state was loaded reads it twice. A 768 x 768 weight at stage 1 on 2 ranks: 3.5 MB rank
+// files, several CRC blocks each.
+TEST(CheckpointDamage, ANewEnginesStateGoesInPlaceAndBackToZerosWhenALaterBlockFails) {
+  const std::string ckpt = temp_dir("ckpt_in_place"), out = temp_dir("ckpt_in_place_out");
+  const RunSpec s = spec(1, 2);
+  const auto run = [&](const std::function<void(zeal::Engine&, torch::nn::Module&, std::function<void()>)>& body,
+                       const std::map<std::string, std::string>& env) {
+    zeal::SpawnOptions so;
+    so.env = env;
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Engine engine(make_config(s), rt);
+          torch::manual_seed(3);
+          torch::nn::Linear lin(torch::nn::LinearOptions(768, 768).bias(false));
+          torch::optim::AdamW opt(lin->parameters(), torch::optim::AdamWOptions(1e-3));
+          auto [m, o] = engine.prepare(lin, opt);
+          const auto step = [&] {
+            engine.backward(m->forward(at::ones({4, 768})).pow(2).mean());
+            o.step();
+            o.zero_grad();
+          };
+          body(engine, *m.ptr(), step);
+        },
+        s.world, so);
+    EXPECT_EQ(zeal::describe_failures(results), "");
+  };
+  run([&](zeal::Engine& e, torch::nn::Module&, std::function<void()> step) {
+        step();
+        e.save_state(ckpt);
+      },
+      {});
+  // One byte flipped in the middle of rank 1's exp_avg_sq, which comes after its exp_avg in the file.
+  const fs::path f1 = fs::path(ckpt) / "rank1.safetensors";
+  std::string good;
+  {
+    std::ifstream in(f1, std::ios::binary);
+    good.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  int64_t at = -1;
+  const auto manifest = nlohmann::json::parse(std::ifstream(fs::path(ckpt) / "manifest.json"));
+  for (const auto& p : manifest["pieces"]) {
+    if (p["file"] == "rank1.safetensors" && p["kind"] == "exp_avg_sq") {
+      at = p["offset"].get<int64_t>() + p["count"].get<int64_t>() * 2;  // its middle (fp32)
+    }
+  }
+  ASSERT_GT(at, int64_t{2} << 20) << "the flipped byte should lie beyond the rank's first blocks";
+  std::string bad = good;
+  bad[static_cast<size_t>(at)] ^= 0x10;
+  std::ofstream(f1, std::ios::binary | std::ios::trunc).write(bad.data(), static_cast<std::streamsize>(bad.size()));
+  run([&](zeal::Engine& e, torch::nn::Module&, std::function<void()>) {
+        e.save_state(out + "/before");
+        std::string msg = "accepted";
+        try {
+          e.load_state(ckpt);
+        } catch (const zeal::Error& err) {
+          msg = err.what();
+        }
+        e.save_state(out + "/after");
+        std::ofstream(out + "/message_" + std::to_string(e.process_index())) << msg;
+      },
+      {});
+  const auto bytes = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  for (int r = 0; r < s.world; ++r) {
+    const std::string msg = bytes(out + "/message_" + std::to_string(r));
+    EXPECT_NE(msg.find("rank1.safetensors is corrupted"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("nothing was changed"), std::string::npos) << msg;
+    const std::string file = fmt::format("rank{}.safetensors", r);
+    EXPECT_TRUE(bytes(fs::path(out) / "before" / file) == bytes(fs::path(out) / "after" / file))
+        << "rank " << r << "'s state changed in a failed load";
+  }
+  // The file whole again: a new engine's load says how many bytes went in place, a second load none.
+  std::ofstream(f1, std::ios::binary | std::ios::trunc).write(good.data(), static_cast<std::streamsize>(good.size()));
+  run([&](zeal::Engine& e, torch::nn::Module&, std::function<void()>) {
+        if (e.process_index() == 0) {  // rank 0's debug lines into a file
+          const int fd = ::open((out + "/log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+          ::dup2(fd, 2);
+          ::close(fd);
+        }
+        e.load_state(ckpt);
+        e.load_state(ckpt);
+      },
+      {{"ZEAL_LOG_LEVEL", "debug"}});
+  // "<N> bytes in two passes (<M> of them put in place ...": M is exp_avg and exp_avg_sq, 8 of the 12
+  // bytes per element (the master weights are the parameters, read again).
+  const std::string log = bytes(out + "/log");
+  const std::regex line(R"((\d+) bytes in two passes \((\d+) of them put in place)");
+  std::vector<std::pair<int64_t, int64_t>> loads;
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator(); ++it) {
+    loads.push_back({std::stoll((*it)[1]), std::stoll((*it)[2])});
+  }
+  ASSERT_EQ(loads.size(), 2u) << log;
+  EXPECT_GT(loads[0].first, 768 * 768 / 2 * 12 - 4096) << log;
+  EXPECT_EQ(loads[0].second * 3, loads[0].first * 2) << "a new engine: its exp_avg and exp_avg_sq in place\n" << log;
+  EXPECT_EQ(loads[1].second, 0) << "a loaded state is read twice\n" << log;
+  fs::remove_all(ckpt);
+  fs::remove_all(out);
 }
 
 // kill -9 in the middle of a save: while a rank writes its file, and on rank 0 after the new
