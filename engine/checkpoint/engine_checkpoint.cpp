@@ -557,9 +557,10 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
         in_place[i] = it.kind != "master" && it.kind != "param" && r.step != nullptr && r.step->state_zero() &&
                       r.step->host_state(it.kind, r.index + read_to[i].second, reads[i].n / it.es) != nullptr;
         if (in_place[i]) in_place_bytes += reads[i].n;
+        reads[i].cached = !in_place[i];  // read again by pass two: through the page cache
       }
     }
-    reader = std::make_unique<ckpt::CheckedReader>(32 << 20, /*direct=*/!kept.empty());
+    reader = std::make_unique<ckpt::CheckedReader>(32 << 20, /*direct=*/!kept.empty() || in_place_bytes > 0);
     reader->read_many(buffer_reads);
     t_read = std::chrono::steady_clock::now();
     // Pass one: checked (and kept, within the budget; or put in place, see above).

@@ -111,7 +111,7 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
     const Impl::Fds& fd = *fds[t.read];
     const int64_t at = t.b0 * f.crc_block, len = std::min(t.b1 * f.crc_block, f.bytes) - at;
     if (len <= 0) throw Error(fmt::format("checkpoint: {} is truncated: byte {} is past its end", r.path.string(), at));
-    int64_t direct = fd.direct >= 0 && f.crc_block % offload::kIoAlign == 0 ? len / offload::kIoAlign * offload::kIoAlign : 0;
+    int64_t direct = fd.direct >= 0 && !r.cached && f.crc_block % offload::kIoAlign == 0 ? len / offload::kIoAlign * offload::kIoAlign : 0;
     if (direct > 0) {
       try {
         io.read(fd.direct, r.path.string(), block, direct, at);

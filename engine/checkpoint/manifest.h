@@ -39,12 +39,14 @@ class CheckedReader {
     const SavedFile* file;
     int64_t offset, n;
     char* out;
+    bool cached = false;  // through the page cache even where the reader reads with O_DIRECT
   };
   // Where the checked bytes of a Read whose `out` is null go, in order: `at` bytes into read
   // `read`, `n` bytes at `p` (valid during the call). Without one, such a read is only checked.
   using Sink = std::function<void(size_t read, int64_t at, const char* p, int64_t n)>;
-  // span: bytes read at once. direct: whole blocks with O_DIRECT (no page cache); false: every read
-  // through the page cache (a second read of the same bytes soon after then costs no disk time).
+  // span: bytes read at once. direct: whole blocks with O_DIRECT (no page cache), but for reads
+  // marked `cached`; false: every read through the page cache (a second read of the same bytes soon
+  // after then costs no disk time).
   // readers: threads reading spans in turn, each with its own requests in flight.
   explicit CheckedReader(int64_t span = 32 << 20, bool direct = true, int readers = 2);
   ~CheckedReader();
