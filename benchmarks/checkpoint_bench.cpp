@@ -4,7 +4,9 @@
 // rank, 1 MiB requests, queue depth 16, io_uring, O_DIRECT, fsync at the end as a checkpoint must;
 // fio writes new files each round, as a checkpoint does, and reads the checkpoint's own files), in
 // interleaved rounds; the page cache is
-// dropped before every read (where this process may). Also how long an asynchronous save blocks
+// dropped before every read (where this process may). A load into the engine that saved (its
+// optimizer state is the checkpoint's) and a resume (a new engine, made untimed each round, whose
+// optimizer state is still the zeros it was made with). Also how long an asynchronous save blocks
 // the training loop (save_state with .async: the copy into staging) against the whole save, and
 // the floor of that blocking: the same bytes copied by memcpy on both ranks at once, into memory
 // already faulted in and into fresh memory. And the peak resident set of `zeal consolidate` on that
@@ -28,6 +30,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -130,11 +133,25 @@ int main(int argc, char** argv) {
         zeal::Config c = zeal::Config::defaults(false);
         c.zero.stage = 3;
         c.zero.stage3_param_persistence_threshold = {0, false};
-        zeal::Engine engine(c, rt);
-        auto model = std::make_shared<Net>(d, kBlocks);
-        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
-        auto prepared = engine.prepare(model, opt);
-        (void)prepared;
+        // The engine, its model and optimizer: made again (a new engine, as a resume makes) by the
+        // resume contender, in the same storage (the contenders below refer to `engine`).
+        std::optional<zeal::Engine> made;
+        std::shared_ptr<Net> model;
+        std::optional<torch::optim::AdamW> opt;
+        std::shared_ptr<void> prepared;
+        auto make = [&] {  // the model goes first: an engine that outlives it has nothing to gather back into it
+          prepared.reset();
+          opt.reset();
+          model.reset();
+          made.reset();
+          made.emplace(c, rt);
+          model = std::make_shared<Net>(d, kBlocks);
+          opt.emplace(model->parameters(), torch::optim::AdamWOptions(1e-4));
+          using P = decltype(made->prepare(model, *opt));
+          prepared = std::make_shared<P>(made->prepare(model, *opt));
+        };
+        make();
+        zeal::Engine& engine = *made;
         const bool main = engine.is_main_process();
         // The background work of a save (an async save's writes, removing the checkpoint it
         // replaced) is over before the next contender starts.
@@ -201,6 +218,12 @@ int main(int argc, char** argv) {
                if (main) drop_caches();
                return state_bytes / measured("load", [&] { engine.load_state(ckpt); });
              }},
+            {"zeal resume",  // a new engine (optimizer state at its zeros) loads: the default budget
+             [&] {
+               make();  // not timed
+               if (main) drop_caches();
+               return state_bytes / measured("resume", [&] { engine.load_state(ckpt); });
+             }},
             {"zeal load (kept)",  // a budget the state fits: each byte read once
              [&] {
                if (main) drop_caches();
@@ -243,27 +266,41 @@ int main(int argc, char** argv) {
           if (main) std::printf("  round %d of %d done\n", r, rounds), std::fflush(stdout);
         });
         if (main) {
+          // Each contender's series, by name.
+          const auto S = [&](const std::string& name) -> const zeal_bench::Series& {
+            for (size_t i = 0; i < cs.size(); ++i)
+              if (cs[i].name == name) return s[i];
+            throw std::logic_error("no contender " + name);
+          };
           nlohmann::json out;
-          out["zeal_save_bytes_per_s"] = s[0].values;
-          out["fio_write_bytes_per_s"] = s[1].values;
-          out["zeal_async_save_blocking_bytes_per_s"] = s[8].values;
-          out["zeal_async_save_kept_blocking_bytes_per_s"] = s[2].values;
-          out["zeal_load_bytes_per_s"] = s[3].values;
-          out["zeal_load_kept_bytes_per_s"] = s[4].values;
-          out["memcpy_kept_bytes_per_s"] = s[5].values;
-          out["memcpy_fresh_bytes_per_s"] = s[6].values;
-          out["fio_read_bytes_per_s"] = s[7].values;
-          zeal_bench::put_ratio(out, "save_ratio_vs_fio", zeal_bench::ratio(s[0], s[1]));
-          zeal_bench::put_ratio(out, "load_ratio_vs_fio", zeal_bench::ratio(s[3], s[7]));
-          zeal_bench::put_ratio(out, "load_kept_ratio_vs_fio", zeal_bench::ratio(s[4], s[7]));
+          out["zeal_save_bytes_per_s"] = S("zeal save").values;
+          out["fio_write_bytes_per_s"] = S("fio write").values;
+          out["zeal_async_save_blocking_bytes_per_s"] = S("zeal async save (blocking)").values;
+          out["zeal_async_save_kept_blocking_bytes_per_s"] =
+              S("zeal async save, staging kept (blocking)").values;
+          out["zeal_load_bytes_per_s"] = S("zeal load").values;
+          out["zeal_load_kept_bytes_per_s"] = S("zeal load (kept)").values;
+          out["memcpy_kept_bytes_per_s"] = S("memcpy into kept memory").values;
+          out["memcpy_fresh_bytes_per_s"] = S("memcpy into fresh memory").values;
+          out["fio_read_bytes_per_s"] = S("fio read").values;
+          out["zeal_resume_bytes_per_s"] = S("zeal resume").values;
+          zeal_bench::put_ratio(out, "save_ratio_vs_fio", zeal_bench::ratio(S("zeal save"), S("fio write")));
+          zeal_bench::put_ratio(out, "load_ratio_vs_fio", zeal_bench::ratio(S("zeal load"), S("fio read")));
+          zeal_bench::put_ratio(out, "load_kept_ratio_vs_fio",
+                                zeal_bench::ratio(S("zeal load (kept)"), S("fio read")));
+          zeal_bench::put_ratio(out, "resume_ratio_vs_fio", zeal_bench::ratio(S("zeal resume"), S("fio read")));
           // The floor of an asynchronous save's blocking: the state copied at memory speed, as a
           // fraction of a whole save, round by round.
-          zeal_bench::put_ratio(out, "copy_floor_kept_vs_save", zeal_bench::ratio(s[0], s[5]));
-          zeal_bench::put_ratio(out, "copy_floor_fresh_vs_save", zeal_bench::ratio(s[0], s[6]));
+          zeal_bench::put_ratio(out, "copy_floor_kept_vs_save",
+                                zeal_bench::ratio(S("zeal save"), S("memcpy into kept memory")));
+          zeal_bench::put_ratio(out, "copy_floor_fresh_vs_save",
+                                zeal_bench::ratio(S("zeal save"), S("memcpy into fresh memory")));
           for (const auto& [k, v] : grown) out["rank0_rss_growth_bytes"][k] = v;
           out["rank0_rss_before_bytes"] = static_cast<double>(zeal::detail::resident_bytes());
-          zeal_bench::put_ratio(out, "async_save_blocking_vs_save", zeal_bench::ratio(s[0], s[8]));
-          zeal_bench::put_ratio(out, "async_save_kept_blocking_vs_save", zeal_bench::ratio(s[0], s[2]));
+          zeal_bench::put_ratio(out, "async_save_blocking_vs_save",
+                                zeal_bench::ratio(S("zeal save"), S("zeal async save (blocking)")));
+          zeal_bench::put_ratio(out, "async_save_kept_blocking_vs_save",
+                                zeal_bench::ratio(S("zeal save"), S("zeal async save, staging kept (blocking)")));
           out["rank0_kept_staging_bytes"] = kept_staging;
           std::ofstream(result) << out.dump();
         }
@@ -305,11 +342,17 @@ int main(int argc, char** argv) {
     std::printf("| load, kept (memory_budget >= state) | zeal %.2f GB/s (%.2f–%.2f) | fio read | ratio %s |\n",
                 sv_("zeal_load_kept_bytes_per_s").median() / 1e9, sv_("zeal_load_kept_bytes_per_s").min() / 1e9,
                 sv_("zeal_load_kept_bytes_per_s").max() / 1e9, pk.text().c_str());
+    const auto pr = zeal_bench::ratio(sv_("zeal_resume_bytes_per_s"), sv_("fio_read_bytes_per_s"));
+    std::printf("| resume (a new engine loads: its optimizer state still zeros) | zeal %.2f GB/s (%.2f–%.2f) | fio read "
+                "| ratio %s (goal >= 0.9) |\n",
+                sv_("zeal_resume_bytes_per_s").median() / 1e9, sv_("zeal_resume_bytes_per_s").min() / 1e9,
+                sv_("zeal_resume_bytes_per_s").max() / 1e9, pr.text().c_str());
     const auto& g = out["rank0_rss_growth_bytes"];
     std::printf("| resident set added (rank 0, most of the rounds) | save %.0f MiB | load %.0f MiB | load, kept %.0f MiB "
-                "(state per rank %.0f MiB) |\n",
+                "| resume %.0f MiB (state per rank %.0f MiB) |\n",
                 g["save"].get<double>() / (1 << 20), g["load"].get<double>() / (1 << 20),
-                g["load_kept"].get<double>() / (1 << 20), state_bytes / kWorld / double(1 << 20));
+                g["load_kept"].get<double>() / (1 << 20), g["resume"].get<double>() / (1 << 20),
+                state_bytes / kWorld / double(1 << 20));
   }
   {
     const auto b = sv_("zeal_async_save_blocking_bytes_per_s"), full = sv_("zeal_save_bytes_per_s");
