@@ -25,6 +25,11 @@ int injected_write_error(int rank) {
 
 void maybe_change_between_passes(const std::string& path, int64_t offset, int rank) {
   const char* f = std::getenv("ZEAL_CHECKPOINT_FAULT");
+  if (f && (std::string(f) == fmt::format("grow:{}", rank) || std::string(f) == "grow:all")) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+    if (fd >= 0) (void)!::write(fd, "", 1), ::close(fd);
+    return;
+  }
   if (!f || std::string(f) != fmt::format("change:{}", rank)) return;
   const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   char c = 0;

@@ -5,6 +5,7 @@
 //   ZEAL_CHECKPOINT_FAULT=enospc:<rank> that rank's first write fails with ENOSPC
 //   ZEAL_CHECKPOINT_FAULT=change:<rank> between a load's two passes, that rank flips a byte of a file
 //                                       it is about to read again
+//   ZEAL_CHECKPOINT_FAULT=grow:<rank>   ... appends a byte to that file instead (grow:all: every rank)
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,8 @@ namespace zeal::ckpt {
 void maybe_die(const std::string& point, int rank);
 // The errno ZEAL_CHECKPOINT_FAULT asks this rank's first checkpoint write to fail with (0: none).
 int injected_write_error(int rank);
-// Flips the byte at `offset` of `path` when ZEAL_CHECKPOINT_FAULT is change:`rank`.
+// Flips the byte at `offset` of `path` when ZEAL_CHECKPOINT_FAULT is change:`rank`; appends a byte
+// to `path` when it is grow:`rank` or grow:all.
 void maybe_change_between_passes(const std::string& path, int64_t offset, int rank);
 
 }  // namespace zeal::ckpt

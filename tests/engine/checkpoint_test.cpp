@@ -294,6 +294,16 @@ TEST(CheckpointDamage, AFileChangedBetweenTheTwoPassesIsNamedOnEveryRank) {
   EXPECT_NE(e.find("rank1.safetensors changed after it was checked: bytes"), std::string::npos) << e;
   EXPECT_NE(e.find("partly loaded"), std::string::npos) << e;
   EXPECT_NE(e.find("rank 1"), std::string::npos) << e;
+  // A file that grew between the passes on every rank: the second pass finds it before it applies
+  // anything, so nothing was changed, a new engine's state that went in place during the first pass
+  // included (zeros again).
+  const std::string grown = saved_checkpoint("ckpt_between_grown", s);
+  ::setenv("ZEAL_CHECKPOINT_FAULT", "grow:all", 1);
+  const auto [g, g_same] = load_error(grown, s);
+  ::setenv("ZEAL_CHECKPOINT_FAULT", "change:1", 1);
+  EXPECT_NE(g.find("before anything was applied: nothing was changed"), std::string::npos) << g;
+  EXPECT_TRUE(g_same) << "a load that failed before its second pass applied anything changed the state";
+  fs::remove_all(grown);
   const std::string kept_ckpt = saved_checkpoint("ckpt_between_kept", s);
   const auto [kept, kept_same] = load_error(kept_ckpt, s, {.memory_budget = int64_t{1} << 40});
   ::unsetenv("ZEAL_CHECKPOINT_FAULT");
