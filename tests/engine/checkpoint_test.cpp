@@ -231,6 +231,12 @@ std::string saved_checkpoint(const std::string& name, RunSpec s) {
   return ckpt;
 }
 
+// A file's bytes.
+std::string file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
 // What a load of `ckpt` on s.world ranks gives, after `steps` steps (0: straight after prepare, as a
 // resume): rank 0's error ("accepted" without one), and whether every rank's parameters stayed as
 // they were and its whole state (master, optimizer state: what save_state writes) kept its bytes.
@@ -264,16 +270,12 @@ std::pair<std::string, bool> load_error(const std::string& ckpt, const RunSpec& 
       s.world);
   EXPECT_EQ(zeal::describe_failures(results), "");
   bool same = true;
-  const auto bytes = [](const fs::path& p) {
-    std::ifstream in(p, std::ios::binary);
-    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  };
   for (int r = 0; r < s.world; ++r) {
     const std::string f = out + "/same_" + std::to_string(r);
     same = same && fs::exists(f) && read_tensor(f).item<int64_t>() == 1;
     const std::string file = fmt::format("rank{}.safetensors", r);
-    const bool state_same = bytes(fs::path(out) / "before" / file) == bytes(fs::path(out) / "after" / file);
-    EXPECT_GT(bytes(fs::path(out) / "before" / file).size(), 0u) << file;
+    const bool state_same = file_bytes(out + "/before/" + file) == file_bytes(out + "/after/" + file);
+    EXPECT_GT(file_bytes(out + "/before/" + file).size(), 0u) << file;
     same = same && state_same;
   }
   std::ifstream f(out + "/message_0");
@@ -343,11 +345,7 @@ TEST(CheckpointDamage, CorruptTruncatedAndMissingFilesAreNamedAndChangeNothing) 
     RunSpec one = spec(1, 2);
     const std::string ckpt1 = saved_checkpoint("ckpt_damage_1", one);
     const fs::path f1 = fs::path(ckpt1) / "rank1.safetensors";
-    std::string b1;
-    {
-      std::ifstream in(f1, std::ios::binary);
-      b1.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    }
+    std::string b1 = file_bytes(f1.string());
     b1[b1.size() - 3] ^= 0x40;
     std::ofstream(f1, std::ios::binary | std::ios::trunc).write(b1.data(), static_cast<std::streamsize>(b1.size()));
     const auto [e3, same3] = load_error(ckpt1, one);
@@ -417,11 +415,7 @@ TEST(CheckpointDamage, ANewEnginesStateGoesInPlaceAndBackToZerosWhenALaterBlockF
       {});
   // One byte flipped in the middle of rank 1's exp_avg_sq, which comes after its exp_avg in the file.
   const fs::path f1 = fs::path(ckpt) / "rank1.safetensors";
-  std::string good;
-  {
-    std::ifstream in(f1, std::ios::binary);
-    good.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
+  const std::string good = file_bytes(f1.string());
   int64_t at = -1;
   const auto manifest = nlohmann::json::parse(std::ifstream(fs::path(ckpt) / "manifest.json"));
   for (const auto& p : manifest["pieces"]) {
@@ -445,16 +439,13 @@ TEST(CheckpointDamage, ANewEnginesStateGoesInPlaceAndBackToZerosWhenALaterBlockF
         std::ofstream(out + "/message_" + std::to_string(e.process_index())) << msg;
       },
       {});
-  const auto bytes = [](const fs::path& p) {
-    std::ifstream in(p, std::ios::binary);
-    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  };
   for (int r = 0; r < s.world; ++r) {
-    const std::string msg = bytes(out + "/message_" + std::to_string(r));
+    const std::string msg = file_bytes(out + "/message_" + std::to_string(r));
     EXPECT_NE(msg.find("rank1.safetensors is corrupted"), std::string::npos) << msg;
     EXPECT_NE(msg.find("nothing was changed"), std::string::npos) << msg;
     const std::string file = fmt::format("rank{}.safetensors", r);
-    EXPECT_TRUE(bytes(fs::path(out) / "before" / file) == bytes(fs::path(out) / "after" / file))
+    EXPECT_GT(file_bytes(out + "/before/" + file).size(), size_t{3} << 20) << file;
+    EXPECT_TRUE(file_bytes(out + "/before/" + file) == file_bytes(out + "/after/" + file))
         << "rank " << r << "'s state changed in a failed load";
   }
   // The file whole again: a new engine's load says how many bytes went in place, a second load none.
@@ -471,7 +462,7 @@ TEST(CheckpointDamage, ANewEnginesStateGoesInPlaceAndBackToZerosWhenALaterBlockF
       {{"ZEAL_LOG_LEVEL", "debug"}});
   // "<N> bytes in two passes (<M> of them put in place ...": M is exp_avg and exp_avg_sq, 8 of the 12
   // bytes per element (the master weights are the parameters, read again).
-  const std::string log = bytes(out + "/log");
+  const std::string log = file_bytes(out + "/log");
   const std::regex line(R"((\d+) bytes in two passes \((\d+) of them put in place)");
   std::vector<std::pair<int64_t, int64_t>> loads;
   for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator(); ++it) {
@@ -717,11 +708,6 @@ int64_t read_bytes_of_process() {
   while (f >> key >> v)
     if (key == "rchar:") return v;
   return -1;
-}
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
 TEST(CheckpointExport, ExportedWeightsEqualTheGatheredParameters) {
