@@ -158,7 +158,6 @@ Engine::~Engine() {
 }
 
 void Engine::init() {
-  const auto& z = config_.zero;
   detail::note_runtime_baseline();  // the first engine's start: what every memory report calls the runtime
   try {
     (void)cpu::active_simd();  // a bad ZEAL_CPU_ISA is named now, not at the first step
@@ -198,11 +197,6 @@ void Engine::init() {
   }
   const bool use_cuda = !config_.launch.use_cpu && at::detail::getCUDAHooks().hasCUDA() &&
                         at::detail::getCUDAHooks().deviceCount() > 0;
-  if (use_cuda && z.offload_param.device == OffloadDevice::kCpu) {
-    throw Error("zero_optimization.offload_param.device: cpu with a GPU is not available in this version (released "
-                "parameter shards would stay on the GPU); offload_optimizer.device cpu is. Set offload_param.device "
-                "to none");
-  }
   if (use_cuda) {
     // gpu_ids and the local rank pick the GPU; the NCCL communicator is made on the same one.
 #ifdef ZEAL_HAVE_NCCL
@@ -709,13 +703,22 @@ void Engine::build_zero() {
     nv->buffer_sets = static_cast<int>(std::min<int64_t>(config_.zero.offload_optimizer.buffer_count, 3));
     state_->nvme = nv;
   }
+  // On a GPU, parameter shards offloaded to the CPU (offload_param cpu; nvme's max_in_cpu) live in
+  // host memory of their own, copied back for their gathers; on CPU ranks they are there already.
+  std::shared_ptr<offload::HostArena> param_host;
+  if (stage3 && !device_.is_cpu() && config_.zero.offload_param.device != OffloadDevice::kNone) {
+    param_host = std::make_shared<offload::HostArena>(device_.is_cuda() && config_.zero.offload_param.pin_memory);
+  }
+  if (stage3 && param_host && config_.zero.offload_param.device == OffloadDevice::kCpu && !state_->param_swap) {
+    state_->param_swap = std::make_shared<zero::ParamSwap>(param_host);
+  }
   if (param_nvme && !state_->param_swap) {
     zero::ParamSwapOptions po;
     po.buffer_count = config_.zero.offload_param.buffer_count;
     po.buffer_elems = config_.zero.offload_param.buffer_size;
     po.max_in_cpu = config_.zero.offload_param.max_in_cpu;
-    state_->param_swap =
-        std::make_shared<zero::ParamSwap>(swap_dir(config_.zero.offload_param.nvme_path), state_->io, po);
+    state_->param_swap = std::make_shared<zero::ParamSwap>(swap_dir(config_.zero.offload_param.nvme_path), state_->io,
+                                                           po, param_host);
   }
   Communicator& sc = shard_comm();
   say_gradient_dtypes(sc.reduction_world());
@@ -1306,6 +1309,10 @@ MemoryReport Engine::memory() const {
   if (state_->offload) {
     m.offload_host = state_->offload->bytes();
     m.offload_host_peak = state_->offload->peak();
+  }
+  if (state_->param_swap) {  // offload_param cpu on a GPU: the shards' host memory
+    m.offload_host += state_->param_swap->host_bytes();
+    m.offload_host_peak += state_->param_swap->host_peak();
   }
   if (state_->zero) {
     m.offload_disk = state_->zero->offload_disk_bytes();

@@ -9,6 +9,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -39,6 +40,13 @@ struct NvmeOffload {
 // while the current one computes, at most `buffer_count` shards and `buffer_count` × `buffer_size`
 // elements at a time (offload_param.buffer_count / buffer_size). A shard read ahead is freed once
 // its all-gather is done, like one read on demand.
+//
+// On a GPU, shards kept in host memory (offload_param.device cpu: all of them; nvme: those within
+// max_in_cpu) live the same life in regions of host memory instead of the file (one arena
+// allocation each, page-locked when pin_memory asks): a unit's shards leave the GPU when it is built
+// and after every optimizer step, and are copied back for its all-gather (from page-locked memory
+// without holding up the host). Their offsets have kHostRegion set. Read-ahead is for shards on the
+// CPU; from host regions it is a copy done at once (only a test gives them CPU shards).
 struct ParamSwapOptions {
   int64_t buffer_count = 5;
   int64_t buffer_elems = 100'000'000;
@@ -47,14 +55,22 @@ struct ParamSwapOptions {
 
 class ParamSwap {
  public:
+  // On disk: parameters.swp in `dir`; with `host`, regions asked for in host memory come from it.
   ParamSwap(std::shared_ptr<offload::SwapDir> dir, std::shared_ptr<offload::IoEngine> io,
-            ParamSwapOptions options = {});
+            ParamSwapOptions options = {}, std::shared_ptr<offload::HostArena> host = nullptr);
+  // In host memory only: each region an allocation of `arena`.
+  ParamSwap(std::shared_ptr<offload::HostArena> arena, ParamSwapOptions options = {});
   ~ParamSwap();
   ParamSwap(const ParamSwap&) = delete;
   ParamSwap& operator=(const ParamSwap&) = delete;
   const ParamSwapOptions& options() const { return options_; }
-  // A region of `bytes` (rounded up to 4 KiB) at the end of the file; returns its offset.
-  int64_t reserve(int64_t bytes);
+  bool on_disk() const { return file_ != nullptr; }
+  static constexpr int64_t kHostRegion = int64_t{1} << 62;
+  static bool in_host(int64_t offset) { return (offset & kHostRegion) != 0; }
+  bool pinned() const { return arena_ && arena_->pinned(); }  // in page-locked host memory
+  // A region of `bytes` (rounded up to 4 KiB) at the end of the file, or (with `host`, or without a
+  // file) its own host memory; returns its offset.
+  int64_t reserve(int64_t bytes, bool host = false);
   // Writes t's bytes at `offset`: a contiguous tensor on a GPU, or on the CPU with mapped storage
   // (alloc_storage_mapped), which is written as it is, without a copy.
   void store(const at::Tensor& t, int64_t offset);
@@ -75,16 +91,24 @@ class ParamSwap {
   int64_t read_ahead_count() const { return read_ahead_count_; }  // reads started ahead, over the run
   int64_t waited_reads() const { return waited_reads_; }          // of them, not done when needed
 
-  int64_t disk_bytes() const { return end_; }
-  offload::SwapDir& dir() { return file_.dir(); }
-  offload::SwapFile& file() { return file_; }
+  int64_t disk_bytes() const { return file_ ? end_ : 0; }
+  // In host memory: the arena's bytes now and at most (0 on disk).
+  int64_t host_bytes() const;
+  int64_t host_peak() const;
+  // On disk only.
+  offload::SwapDir& dir() { return file_->dir(); }
+  offload::SwapFile& file() { return *file_; }
 
  private:
   void reader_loop();
+  // In host memory: the region at `offset` as a tensor shaped like t (its dtype and element count).
+  at::Tensor host_region(const at::Tensor& t, int64_t offset) const;
 
   ParamSwapOptions options_;
-  offload::SwapFile file_;
-  int64_t end_ = 0;
+  std::unique_ptr<offload::SwapFile> file_;  // on disk
+  std::shared_ptr<offload::HostArena> arena_;  // in host memory
+  std::map<int64_t, at::Tensor> regions_;      // in host memory: bytes by offset
+  int64_t end_ = 0, host_end_ = 0;
   // The reader thread and its engine; jobs run in the order they were started.
   std::unique_ptr<offload::IoEngine> reader_io_;
   std::thread reader_;

@@ -184,7 +184,10 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
   }
   // offload_param nvme: which units' shards go to disk. Units that are not persistent, in build
   // order, keep theirs in host memory while they fit max_in_cpu elements per rank; the rest go.
-  std::vector<char> to_disk(units_.size(), 0);
+  // On a GPU the shards kept go to the store's host memory (they leave the GPU); offload_param cpu
+  // is a store without a file, every such unit kept.
+  const bool keep_in_host = !opts_.device.is_cpu();
+  std::vector<char> to_disk(units_.size(), 0);  // 1: to the file; 2: to host memory
   if (opts_.param_swap) {
     int64_t need = 0, kept = 0, kept_units = 0, disk_units = 0;
     for (size_t i = 1; i < units_.size(); ++i) {
@@ -197,18 +200,28 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
       }
       if (n <= opts_.persistence_threshold) continue;
       const int64_t shard = (n + comm_.world_size() - 1) / comm_.world_size();
-      if (kept + shard <= opts_.param_swap->options().max_in_cpu) {
+      if (kept + shard <= opts_.param_swap->options().max_in_cpu || !opts_.param_swap->on_disk()) {
         kept += shard;
         ++kept_units;
+        if (keep_in_host) to_disk[i] = 2;
         continue;
       }
       to_disk[i] = 1;
       ++disk_units;
       need += shard * esize + 2 * 4096;  // the shards that will go to disk, before anything is written
     }
-    opts_.param_swap->dir().require(need, "the parameters offloaded to nvme (offload_param)");
-    log::info("offload_param nvme: {} units on disk, {} kept in host memory ({} elements per rank, max_in_cpu {})",
-              disk_units, kept_units, kept, opts_.param_swap->options().max_in_cpu);
+    if (opts_.param_swap->on_disk()) {
+      opts_.param_swap->dir().require(need, "the parameters offloaded to nvme (offload_param)");
+      log::info("offload_param nvme: {} units on disk, {} kept in host memory ({} elements per rank, max_in_cpu {})",
+                disk_units, kept_units, kept, opts_.param_swap->options().max_in_cpu);
+    } else {
+      log::info("offload_param cpu: the shards of {} units in {} host memory; the root and {} persistent units stay on {}",
+                kept_units,
+                opts_.param_swap->pinned() ? "page-locked"
+                                           : "pageable (offload_param.pin_memory: true lets copies back run without "
+                                             "holding up the host)",
+                units_.size() - 1 - static_cast<size_t>(kept_units), opts_.device.str());
+    }
   }
   // offload_optimizer nvme: the master weights go to each group's swap file as they are made, a
   // window at a time, never whole in host memory; the gradient shards are never made in host memory
@@ -287,7 +300,7 @@ void Stage3::build_units(torch::nn::Module& model, std::vector<Group>& groups, c
     if (u->persistent_) persistent_bytes += u->gathered_bytes();
     fetch_->add_gathered(u->gathered_bytes());
     u->release();
-    if (to_disk[u->index()] && !u->persistent_) u->shards_to_disk();
+    if (to_disk[u->index()] && !u->persistent_) u->shards_to_disk(/*in_host=*/to_disk[u->index()] == 2);
   }
   root_released_in_step_ = units_[0]->numel() > opts_.persistence_threshold;
   fetch_->set_persistent_bytes(persistent_bytes);

@@ -114,12 +114,12 @@ void Unit::wait_gather() {
   if (state_ == State::kGathering) state_ = State::kGathered;
 }
 
-void Unit::shards_to_disk() {
+void Unit::shards_to_disk(bool in_host) {
   ParamSwap& swap = *owner_.options().param_swap;
   for (Part* part : {&train_, &frozen_}) {
     if (!part->layout) continue;
-    part->swap_offset = swap.reserve(part->shard.nbytes());
-    if (part->shard.device().is_cpu()) {
+    part->swap_offset = swap.reserve(part->shard.nbytes(), in_host);
+    if (part->shard.device().is_cpu() && !ParamSwap::in_host(part->swap_offset)) {
       // Into mapped storage, as every later load gives it, so stores need no bounce buffer.
       const at::Tensor values = part->shard.clone();
       free_storage(part->shard);

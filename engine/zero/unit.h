@@ -110,11 +110,11 @@ class Unit {
   bool frozen_kept() const { return frozen_kept_; }
   // Frees a kept frozen part (a persistent unit's too: the root keeps its own through a step).
   void drop_kept();
-  // offload_param nvme. shards_to_disk: after build, each part's shard gets a region in the swap
-  // file, is written there and freed. load_shards: the shards on disk without storage are read
+  // offload_param nvme (and cpu on a GPU). shards_to_disk: after build, each part's shard gets a
+  // region in the swap file (or, with `in_host`, the store's host memory), is written there and freed. load_shards: the shards on disk without storage are read
   // back (of the trainable part only, when `trainable_only`). store_shards: writes the trainable
   // shard (changed by a step) to its region. drop_shards: frees the storage of shards on disk.
-  void shards_to_disk();
+  void shards_to_disk(bool in_host = false);
   void load_shards(bool trainable_only = false);
   void store_shards(bool trainable_only);
   void drop_shards();

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -57,6 +58,8 @@ struct RunSpec {
   uint64_t seed = 7;
   std::string isa;  // ZEAL_CPU_ISA in the ranks (empty: unset)
   bool offload = false;  // offload_optimizer.device cpu (and offload_param.device cpu in stage 3)
+  bool offload_params = true;  // with offload in stage 3: offload_param.device cpu too
+  bool pin_memory = false;     // with offload: offload_optimizer and offload_param pin_memory
   std::string nvme_path;           // offload_optimizer.device nvme there (stage 3)
   int64_t sub_group = 1'000'000'000;  // sub_group_size
   std::string param_nvme_path;     // offload_param.device nvme there (stage 3)
@@ -167,7 +170,8 @@ inline zeal::Config make_config(const RunSpec& s) {
   c.zero.zero3_init_flag = s.init;
   if (s.offload) {
     c.zero.offload_optimizer.device = zeal::OffloadDevice::kCpu;
-    if (s.stage == 3) c.zero.offload_param.device = zeal::OffloadDevice::kCpu;
+    if (s.stage == 3 && s.offload_params) c.zero.offload_param.device = zeal::OffloadDevice::kCpu;
+    c.zero.offload_optimizer.pin_memory = c.zero.offload_param.pin_memory = s.pin_memory;
   }
   if (!s.nvme_path.empty()) {
     c.zero.offload_optimizer.device = zeal::OffloadDevice::kNvme;
@@ -235,7 +239,8 @@ struct RunResult {
   // stage 3's unit gathers, prefetches and re-traces, offload host and disk bytes, shards read
   // ahead from disk and of those waited for (all as the engine counts them), then measured from
   // outside: the bytes of this rank's swap files on disk (their sizes) and the resident set at the
-  // end (freed blocks returned to the system first)
+  // end (freed blocks returned to the system first), then the windows of the optimizer read ahead
+  // and, on a GPU, its allocator's allocated bytes at the end and their peak over the run
   std::vector<at::Tensor> params, skipped, scales, memory, trajectory;
   std::vector<int64_t> forwards;  // per rank: forwards of all blocks (recomputations included)
   at::Tensor losses, norms;
@@ -243,6 +248,13 @@ struct RunResult {
 
 // Trains on ranks through the engine; `hook(engine, step, micro, loss)` may change the loss.
 using LossHook = std::function<at::Tensor(zeal::Engine&, int, int, at::Tensor)>;
+
+// The accelerator allocator's allocated bytes now (or their peak since the process began); 0 on the CPU.
+inline double device_allocated(const at::Device& d, bool peak) {
+  if (!d.is_cuda()) return 0;
+  const auto stats = at::accelerator::getDeviceStats(d.index() < 0 ? 0 : d.index());
+  return static_cast<double>(peak ? stats.allocated_bytes[0].peak : stats.allocated_bytes[0].current);
+}
 
 inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& dir, const LossHook& hook) {
   if (!s.isa.empty()) {
@@ -332,7 +344,9 @@ inline void train_rank(zeal::Runtime& rt, const RunSpec& s, const std::string& d
                                               double(fetches.prefetched), double(fetches.retraced),
                                               double(mem.offload_host), double(mem.offload_disk),
                                               double(disk_reads.ahead), double(disk_reads.waited), swap_bytes,
-                                              resident, double(engine.optimizer_windows_read_ahead())},
+                                              resident, double(engine.optimizer_windows_read_ahead()),
+                                              device_allocated(engine.device(), false),
+                                              device_allocated(engine.device(), true)},
                           at::kDouble));
   if (engine.is_main_process()) {
     write_tensor(dir + "/losses", at::tensor(losses, at::kDouble));
