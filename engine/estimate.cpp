@@ -364,7 +364,11 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   const double N = std::max(1, r.world), psi = static_cast<double>(m.params);
   const int64_t P = r.precision == "fp32" ? 4 : 2;  // compute copy
   const int64_t G = 4;                              // gradients accumulate in fp32
-  const int64_t M = P == 4 ? 0 : 4;                 // fp32 parameters are their own master weights
+  // fp32 parameters are their own master weights, unless a parameter store (offload_param nvme, or
+  // cpu on a GPU) frees their shards between uses: then the master is a copy of its own.
+  const bool param_store =
+      r.stage == 3 && (r.offload_param == Offload::kNvme || (r.offload_param == Offload::kCpu && r.on_gpu));
+  const int64_t M = P == 4 && !param_store ? 0 : 4;
   const int64_t O = 8;                              // Adam's m and v
   const std::string dev = r.on_gpu ? "device" : "host";
   auto add = [&](const std::string& name, double bytes, const std::string& where) {

@@ -388,13 +388,17 @@ std::vector<Field> make_fields() {
   f.push_back(string_field("zero_optimization.offload_param.nvme_path", ZEAL_GET(zero.offload_param.nvme_path),
                            true, "Directory for nvme offload"));
   f.push_back(bool_field("zero_optimization.offload_param.pin_memory", ZEAL_GET(zero.offload_param.pin_memory),
-                         "Page-locked host buffers"));
+                         "Page-locked host memory for the shards a GPU keeps in host memory (`cpu`; `nvme`'s "
+                         "`max_in_cpu`)"));
   f.push_back(int_field("zero_optimization.offload_param.buffer_count",
-                        ZEAL_GET(zero.offload_param.buffer_count), 1, 1024, "Units read ahead from nvme"));
+                        ZEAL_GET(zero.offload_param.buffer_count), 1, 1024,
+                        "Units read ahead from nvme (CPU ranks; on a GPU a unit's shards are read when its gather is "
+                        "issued)"));
   f.push_back(int_field("zero_optimization.offload_param.buffer_size", ZEAL_GET(zero.offload_param.buffer_size),
-                        1, kMaxInt, "Elements per read-ahead buffer for nvme"));
+                        1, kMaxInt, "Elements per read-ahead buffer for nvme (CPU ranks)"));
   f.push_back(int_field("zero_optimization.offload_param.max_in_cpu", ZEAL_GET(zero.offload_param.max_in_cpu),
-                        0, kMaxInt, "Shard elements per rank kept in host memory instead of nvme"));
+                        0, kMaxInt, "Shard elements per rank kept in host memory instead of nvme (on a GPU too: off "
+                        "the GPU)"));
   f.push_back(bool_field("zero_optimization.overlap_comm", ZEAL_GET(zero.overlap_comm),
                          "Reduce gradients while backward runs (default: true for stage 3)"));
   f.push_back(bool_field("zero_optimization.contiguous_gradients", ZEAL_GET(zero.contiguous_gradients),

@@ -1,6 +1,7 @@
 #include "engine/zero/offload_state.h"
 
 #include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
 
 #include <chrono>
 #include <cstdint>
@@ -37,6 +38,14 @@ ParamSwap::ParamSwap(std::shared_ptr<offload::HostArena> arena, ParamSwapOptions
 }
 
 ParamSwap::~ParamSwap() {
+  // Copies to a GPU queued from the host regions (a last gather, at the engine's end) finish before
+  // their memory goes.
+  if (copy_device_ >= 0) {
+    try {
+      at::accelerator::synchronizeDevice(static_cast<c10::DeviceIndex>(copy_device_));
+    } catch (...) {  // a destructor: a device already in error has nothing more to copy
+    }
+  }
   if (!reader_.joinable()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -156,7 +165,9 @@ void ParamSwap::load(const at::Tensor& t, int64_t offset) {
     // To a GPU from page-locked memory: queued on the current stream, which the all-gather follows;
     // the region is written again only by a store, which waits for the copies before it.
     alloc_storage(t);
-    t.copy_(host_region(t, offset), /*non_blocking=*/t.is_cuda() && arena_->pinned());
+    const bool async = t.is_cuda() && arena_->pinned();
+    t.copy_(host_region(t, offset), /*non_blocking=*/async);
+    if (async) copy_device_ = t.device().index() < 0 ? 0 : t.device().index();
     return;
   }
   if (t.device().is_cpu()) {

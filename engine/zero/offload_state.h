@@ -109,6 +109,7 @@ class ParamSwap {
   std::shared_ptr<offload::HostArena> arena_;  // in host memory
   std::map<int64_t, at::Tensor> regions_;      // in host memory: bytes by offset
   int64_t end_ = 0, host_end_ = 0;
+  int copy_device_ = -1;  // the GPU asynchronous copies from host regions went to (-1: none)
   // The reader thread and its engine; jobs run in the order they were started.
   std::unique_ptr<offload::IoEngine> reader_io_;
   std::thread reader_;

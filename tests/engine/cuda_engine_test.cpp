@@ -266,8 +266,6 @@ TEST(CudaEngine, ParametersOffloadedFromTheGpuTrainToTheSameBits) {
       if (c.nvme) {
         EXPECT_GT(host, 0.3 * shards) << "rank " << r << ": max_in_cpu kept nothing in host memory";
         EXPECT_GT(disk, 0.3 * shards) << "rank " << r << ": nothing went to the swap file";
-      } else {
-        EXPECT_EQ(disk, 0);
       }
     }
     if (!swap.empty()) std::filesystem::remove_all(swap);

@@ -23,6 +23,8 @@
 
 #include <torch/optim/sgd.h>
 
+#include "engine/estimate.h"
+#include "engine/prepare_check.h"
 #include "engine/zero/layout.h"
 #include "tests/engine/engine_harness.h"
 
@@ -343,6 +345,43 @@ TEST(OffloadParamNvme, MaxInCpuKeepsTheFirstUnitsThatFitInMemory) {
     EXPECT_EQ(off.memory[r][10].item<double>(), disk) << "rank " << r << ": bytes on disk";
   }
   EXPECT_TRUE(fs::is_empty(dir)) << "swap files left in " << dir;
+  fs::remove_all(dir);
+}
+
+// fp32 parameters are their own master weights, except where a parameter store frees their shards
+// between uses (offload_param nvme; cpu on a GPU): then the master is a copy of its own, which the
+// engine holds and `zeal estimate-memory` predicts beside the parameters (the same bits either way).
+TEST(OffloadParamNvme, AStoredShardsMasterIsACopyTheEstimateCounts) {
+  namespace fs = std::filesystem;
+  RunSpec s;
+  s.stage = 3;
+  s.world = 2;
+  s.layers = 4;
+  const auto predicted_master = [](const RunSpec& spec) {
+    zeal_test::Setup u = make_setup(spec);
+    const zeal::Config c = make_config(spec);
+    const auto shape = zeal::detail::prepared_model_shape(*u.model, nullptr, c);
+    const auto p = zeal::estimate::predict(shape.model, zeal::detail::run_shape_of(c, spec.world, false));
+    double bytes = 0;
+    for (const auto& part : p.parts)
+      if (part.name == "master weights") bytes += static_cast<double>(part.bytes);
+    return bytes;
+  };
+  const RunResult plain = run_engine(s, "param_master_alias");
+  const double plain_predicted = predicted_master(s);
+  const fs::path dir = temp_dir("param_master_copy");
+  s.param_nvme_path = dir.string();
+  s.param_max_in_cpu = 0;
+  const RunResult stored = run_engine(s, "param_master_copy");
+  expect_bit_identical(plain, stored);
+  const double predicted = predicted_master(s);
+  EXPECT_EQ(plain_predicted, 0);
+  for (size_t r = 0; r < stored.params.size(); ++r) {
+    EXPECT_EQ(plain.memory[r][2].item<double>(), 0) << "rank " << r << ": fp32 parameters are their own master";
+    const double held = stored.memory[r][2].item<double>();
+    EXPECT_GT(held, 0) << "rank " << r;
+    EXPECT_NEAR(predicted, held, 0.02 * held + 4096) << "rank " << r << ": the master copy the estimate predicts";
+  }
   fs::remove_all(dir);
 }
 
