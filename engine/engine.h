@@ -353,7 +353,10 @@ class Engine {
   // rank reads only the byte ranges its elements need and checks their CRC32C; a missing,
   // truncated or corrupted file, or a parameter the checkpoint lacks, is an error naming it before
   // anything changes; then the bytes go where they live a few MiB at a time, so the load holds no
-  // more than a window beside the training's own memory (docs/checkpoints.md). Collective.
+  // more than a window beside the training's own memory (docs/checkpoints.md). Two passes: the first
+  // checks every byte (a new engine's optimizer state in host memory, still zeros, goes in place as
+  // it is checked, and is zeros again if the load fails); the second reads again what is not in
+  // place, through the page cache, and applies it. Collective.
   void load_state(const std::string& dir = "", const LoadStateOptions& options = {});
   // Waits until an asynchronous save_state is complete on every rank; its failure on any rank is a
   // zeal::Error here (naming the ranks and why). Collective; returns at once when none is pending.

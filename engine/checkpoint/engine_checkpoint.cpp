@@ -592,6 +592,9 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   }
   if (!again.empty()) {
     maybe_change_between_passes(again.front().path.string(), again.front().offset + again.front().n / 2, c.rank());
+    std::vector<std::string> paths;
+    for (const auto& r : again) paths.push_back(r.path.string());
+    maybe_evict_between_passes(paths, c.rank());
   }
   std::string reread;
   GroupWalk walk(z, /*changed=*/true);

@@ -40,4 +40,15 @@ void maybe_change_between_passes(const std::string& path, int64_t offset, int ra
   if (fd >= 0) ::close(fd);
 }
 
+void maybe_evict_between_passes(const std::vector<std::string>& paths, int rank) {
+  const char* f = std::getenv("ZEAL_CHECKPOINT_FAULT");
+  if (!f || (std::string(f) != fmt::format("evict:{}", rank) && std::string(f) != "evict:all")) return;
+  for (const auto& path : paths) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);  // clean pages leave the cache
+    ::close(fd);
+  }
+}
+
 }  // namespace zeal::ckpt

@@ -6,10 +6,13 @@
 //   ZEAL_CHECKPOINT_FAULT=change:<rank> between a load's two passes, that rank flips a byte of a file
 //                                       it is about to read again
 //   ZEAL_CHECKPOINT_FAULT=grow:<rank>   ... appends a byte to that file instead (grow:all: every rank)
+//   ZEAL_CHECKPOINT_FAULT=evict:<rank>  ... drops the files it reads again from the page cache
+//                                       (evict:all: every rank), so the second pass cannot map them
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace zeal::ckpt {
 
@@ -20,5 +23,7 @@ int injected_write_error(int rank);
 // Flips the byte at `offset` of `path` when ZEAL_CHECKPOINT_FAULT is change:`rank`; appends a byte
 // to `path` when it is grow:`rank` or grow:all.
 void maybe_change_between_passes(const std::string& path, int64_t offset, int rank);
+// Drops `paths` from the page cache when ZEAL_CHECKPOINT_FAULT is evict:`rank` or evict:all.
+void maybe_evict_between_passes(const std::vector<std::string>& paths, int rank);
 
 }  // namespace zeal::ckpt

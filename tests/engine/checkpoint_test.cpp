@@ -476,6 +476,69 @@ TEST(CheckpointDamage, ANewEnginesStateGoesInPlaceAndBackToZerosWhenALaterBlockF
   fs::remove_all(out);
 }
 
+// The second pass reads through mappings of the page cache's pages; where the cache no longer holds
+// the files (evicted between the passes here, as memory pressure would), it reads them again with
+// the reader's threads instead. Both give the same state, byte for byte as save_state writes it, and
+// the debug log says which way the load went. The checkpoint holds two steps; the engines loading it
+// took one (so every byte is read twice, and a load that left the state alone would show).
+TEST(CheckpointLoad, ASecondPassWithoutThePageCacheReadsTheFilesAgain) {
+  const std::string ckpt = temp_dir("ckpt_evict"), out = temp_dir("ckpt_evict_out");
+  const RunSpec s = spec(1, 2);
+  const auto run = [&](int steps, const std::function<void(zeal::Engine&)>& body,
+                       const std::map<std::string, std::string>& env) {
+    zeal::SpawnOptions so;
+    so.env = env;
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Engine engine(make_config(s), rt);
+          torch::manual_seed(3);
+          torch::nn::Linear lin(torch::nn::LinearOptions(768, 768).bias(false));
+          torch::optim::AdamW opt(lin->parameters(), torch::optim::AdamWOptions(1e-3));
+          auto [m, o] = engine.prepare(lin, opt);
+          for (int k = 0; k < steps; ++k) {
+            engine.backward(m->forward(at::ones({4, 768})).pow(2).mean());
+            o.step();
+            o.zero_grad();
+          }
+          body(engine);
+        },
+        s.world, so);
+    EXPECT_EQ(zeal::describe_failures(results), "");
+  };
+  run(2, [&](zeal::Engine& e) { e.save_state(ckpt); }, {});
+  const auto load_and_save = [&](const std::string& tag, const std::string& fault) {
+    std::map<std::string, std::string> env{{"ZEAL_LOG_LEVEL", "debug"}};
+    if (!fault.empty()) env["ZEAL_CHECKPOINT_FAULT"] = fault;
+    run(1,
+        [&](zeal::Engine& e) {
+          e.save_state(out + "/" + tag + "_before");
+          if (e.process_index() == 0) {  // rank 0's debug lines into a file
+            const int fd = ::open((out + "/log_" + tag).c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            ::dup2(fd, 2);
+            ::close(fd);
+          }
+          e.load_state(ckpt);
+          e.save_state(out + "/" + tag);
+        },
+        env);
+    return file_bytes(out + "/log_" + tag);
+  };
+  const std::string mapped = load_and_save("mapped", ""), evicted = load_and_save("evicted", "evict:all");
+  const std::string fallback = "read again with the reader's threads";
+  EXPECT_EQ(mapped.find(fallback), std::string::npos) << mapped;
+  EXPECT_NE(evicted.find(fallback), std::string::npos) << evicted;
+  for (int r = 0; r < s.world; ++r) {
+    const std::string file = fmt::format("rank{}.safetensors", r);
+    const std::string a = file_bytes(out + "/mapped/" + file), b = file_bytes(out + "/evicted/" + file);
+    EXPECT_GT(a.size(), size_t{3} << 20) << file;
+    EXPECT_TRUE(a == b) << file << ": the state read again differs from the state read through mappings";
+    EXPECT_TRUE(a == file_bytes((fs::path(ckpt) / file).string())) << file << ": the loaded state is not the saved one";
+    EXPECT_FALSE(file_bytes(out + "/evicted_before/" + file) == b) << file << ": the load had nothing to change";
+  }
+  fs::remove_all(ckpt);
+  fs::remove_all(out);
+}
+
 // kill -9 in the middle of a save: while a rank writes its file, and on rank 0 after the new
 // directory took its name but before `latest` moved. The previous checkpoint stays loadable; in the
 // first case `latest` and the directory are as before, in the second `latest` still names the
