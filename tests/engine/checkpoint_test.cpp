@@ -379,6 +379,30 @@ TEST(CheckpointDamage, CorruptTruncatedAndMissingFilesAreNamedAndChangeNothing) 
   fs::remove_all(ckpt);
 }
 
+// On s.world ranks: a 768 x 768 weight (3.5 MB rank files at stage 1 on 2 ranks, several CRC blocks
+// each) prepared with AdamW, then `body(engine, model, step)`, `step` taking one optimizer step.
+using LinearBody = std::function<void(zeal::Engine&, torch::nn::Module&, std::function<void()>)>;
+void run_linear768(const RunSpec& s, const LinearBody& body, const std::map<std::string, std::string>& env) {
+  zeal::SpawnOptions so;
+  so.env = env;
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(make_config(s), rt);
+        torch::manual_seed(3);
+        torch::nn::Linear lin(torch::nn::LinearOptions(768, 768).bias(false));
+        torch::optim::AdamW opt(lin->parameters(), torch::optim::AdamWOptions(1e-3));
+        auto [m, o] = engine.prepare(lin, opt);
+        const auto step = [&] {
+          engine.backward(m->forward(at::ones({4, 768})).pow(2).mean());
+          o.step();
+          o.zero_grad();
+        };
+        body(engine, *m.ptr(), step);
+      },
+      s.world, so);
+  EXPECT_EQ(zeal::describe_failures(results), "");
+}
+
 // A new engine's optimizer state (still the zeros it was made with) goes in place as the first pass
 // checks it (the debug line says how many bytes) and nothing of it is read again; where one rank's
 // file fails after part of that rank's state went in, every rank's state is zeros again. An engine
@@ -387,26 +411,8 @@ TEST(CheckpointDamage, CorruptTruncatedAndMissingFilesAreNamedAndChangeNothing) 
 TEST(CheckpointDamage, ANewEnginesStateGoesInPlaceAndBackToZerosWhenALaterBlockFails) {
   const std::string ckpt = temp_dir("ckpt_in_place"), out = temp_dir("ckpt_in_place_out");
   const RunSpec s = spec(1, 2);
-  const auto run = [&](const std::function<void(zeal::Engine&, torch::nn::Module&, std::function<void()>)>& body,
-                       const std::map<std::string, std::string>& env) {
-    zeal::SpawnOptions so;
-    so.env = env;
-    auto results = zeal::spawn(
-        [&](zeal::Runtime& rt) {
-          zeal::Engine engine(make_config(s), rt);
-          torch::manual_seed(3);
-          torch::nn::Linear lin(torch::nn::LinearOptions(768, 768).bias(false));
-          torch::optim::AdamW opt(lin->parameters(), torch::optim::AdamWOptions(1e-3));
-          auto [m, o] = engine.prepare(lin, opt);
-          const auto step = [&] {
-            engine.backward(m->forward(at::ones({4, 768})).pow(2).mean());
-            o.step();
-            o.zero_grad();
-          };
-          body(engine, *m.ptr(), step);
-        },
-        s.world, so);
-    EXPECT_EQ(zeal::describe_failures(results), "");
+  const auto run = [&](const LinearBody& body, const std::map<std::string, std::string>& env) {
+    run_linear768(s, body, env);
   };
   run([&](zeal::Engine& e, torch::nn::Module&, std::function<void()> step) {
         step();
@@ -486,24 +492,13 @@ TEST(CheckpointLoad, ASecondPassWithoutThePageCacheReadsTheFilesAgain) {
   const RunSpec s = spec(1, 2);
   const auto run = [&](int steps, const std::function<void(zeal::Engine&)>& body,
                        const std::map<std::string, std::string>& env) {
-    zeal::SpawnOptions so;
-    so.env = env;
-    auto results = zeal::spawn(
-        [&](zeal::Runtime& rt) {
-          zeal::Engine engine(make_config(s), rt);
-          torch::manual_seed(3);
-          torch::nn::Linear lin(torch::nn::LinearOptions(768, 768).bias(false));
-          torch::optim::AdamW opt(lin->parameters(), torch::optim::AdamWOptions(1e-3));
-          auto [m, o] = engine.prepare(lin, opt);
-          for (int k = 0; k < steps; ++k) {
-            engine.backward(m->forward(at::ones({4, 768})).pow(2).mean());
-            o.step();
-            o.zero_grad();
-          }
-          body(engine);
+    run_linear768(
+        s,
+        [&](zeal::Engine& e, torch::nn::Module&, std::function<void()> step) {
+          for (int k = 0; k < steps; ++k) step();
+          body(e);
         },
-        s.world, so);
-    EXPECT_EQ(zeal::describe_failures(results), "");
+        env);
   };
   run(2, [&](zeal::Engine& e) { e.save_state(ckpt); }, {});
   const auto load_and_save = [&](const std::string& tag, const std::string& fault) {
