@@ -285,15 +285,27 @@ struct BlockActivations {
   }
 };
 
+// Stage 3's persistent units: the root and those within stage3_param_persistence_threshold ("auto":
+// 10 × the hidden size, as Accelerate fills it; else DeepSpeed's default 1e5).
+namespace {
+bool unit_persistent(const ModelShape& m, const RunShape& r, size_t i) {
+  const double threshold = r.persistence_threshold >= 0 ? static_cast<double>(r.persistence_threshold)
+                           : m.transformer           ? 10.0 * static_cast<double>(m.transformer->hidden)
+                                                     : 1e5;
+  return i == 0 || static_cast<double>(m.units[i]) <= threshold;
+}
+}  // namespace
+
 Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double G, const BlockActivations& acts,
                        double logits, double logits_grad, double head_wait, double head_arrival, double end_extra) {
   const size_t n = m.units.size();
-  const double threshold = m.transformer ? 10.0 * static_cast<double>(m.transformer->hidden) : 1e5;  // "auto"
   std::vector<char> persistent(n, 0), held(n, 0);
   double persistent_elems = 0;
   std::vector<size_t> trace;
   for (size_t i = 0; i < n; ++i) {
-    persistent[i] = i == 0 || static_cast<double>(m.units[i]) <= threshold;
+    // The gather model's own threshold ("auto"'s, whatever the config says: its trace walks the
+    // units that are released).
+    persistent[i] = unit_persistent(m, RunShape{}, i);
     if (persistent[i]) persistent_elems += static_cast<double>(m.units[i]);
     else trace.push_back(i);
   }
@@ -380,13 +392,27 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   const double g_share = r.stage >= 2 ? trained / N : trained;
   const double mo_share = r.stage >= 1 ? trained / N : trained;
   add("runtime", static_cast<double>(r.runtime_bytes), "host");
-  // Parameters: stage 3 on NVMe keeps max_in_cpu elements of shards in host memory, the rest on disk.
-  if (r.stage == 3 && r.offload_param == Offload::kNvme) {
-    const double in_cpu = std::min(p_share, static_cast<double>(r.max_in_cpu));
-    add("parameters", P * in_cpu, "host");
-    add("parameters on disk", P * (p_share - in_cpu), "disk");
+  // Parameters offloaded in stage 3: the persistent units' shards stay where the model computes;
+  // of the rest, nvme keeps max_in_cpu elements in host memory and the others on disk, cpu all of
+  // them in host memory.
+  double disk_share = 0;  // elements of parameter shards per rank on disk
+  if (r.stage == 3 && r.offload_param != Offload::kNone) {
+    double kept = 0;
+    for (size_t i = 0; i < m.units.size(); ++i)
+      if (unit_persistent(m, r, i)) kept += static_cast<double>(m.units[i]);
+    kept = std::min(p_share, kept / N);
+    const double rest = p_share - kept;
+    const double in_cpu = r.offload_param == Offload::kCpu ? rest : std::min(rest, static_cast<double>(r.max_in_cpu));
+    if (r.on_gpu) {
+      add("parameters", P * kept, dev);
+      add("parameters in host memory", P * in_cpu, "host");
+    } else {
+      add("parameters", P * (kept + in_cpu), "host");
+    }
+    disk_share = rest - in_cpu;
+    add("parameters on disk", P * disk_share, "disk");
   } else {
-    add("parameters", P * p_share, r.stage == 3 && r.offload_param == Offload::kCpu ? "host" : dev);
+    add("parameters", P * p_share, dev);
   }
   // offload_optimizer nvme: the reduced gradients go to disk with the optimizer state (swapped per unit).
   add("gradients", G * g_share, r.offload_optimizer == Offload::kNvme ? "disk" : dev);
@@ -404,11 +430,12 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   // Shards past max_in_cpu are read from disk ahead of their units' gathers: up to
   // offload_param.buffer_count reads in flight, each a unit's shard, and the shard of the unit being
   // gathered (gpt2-small on 2 ranks with 2/3 of its shards on disk: 6 x 14 MiB measured). The
-  // optimizer step holds fewer: it brings the trainable shards in one unit at a time.
-  if (r.stage == 3 && r.offload_param == Offload::kNvme && m.units.size() >= 2) {
-    const double on_disk = p_share - std::min(p_share, static_cast<double>(r.max_in_cpu));
+  // optimizer step holds fewer: it brings the trainable shards in one unit at a time. On a GPU a
+  // shard is read when its gather is issued, through one host buffer of its size.
+  if (disk_share > 0 && m.units.size() >= 2) {
     const double largest_unit = static_cast<double>(*std::max_element(m.units.begin() + 1, m.units.end()));
-    add("parameter shards read from disk", P * std::min(on_disk, (r.param_buffer_count + 1) * largest_unit / N), "host");
+    const double units_held = r.on_gpu ? 1 : static_cast<double>(r.param_buffer_count + 1);
+    add("parameter shards read from disk", P * std::min(disk_share, units_held * largest_unit / N), "host");
   }
   // Offload buffers: NVMe windows (up to three sets of master, m, v, gradients and the gradients'
   // read buffer, plus the result window);

@@ -5,6 +5,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 
+#include <string>
 #include <vector>
 
 #include "engine/config/config.h"
@@ -95,6 +96,41 @@ TEST(PrepareCheck, NestedUnitsHoldTheirOwnParametersOnly) {
   // So the prediction of the two layouts is the same (their runtime aside).
   zeal::estimate::RunShape r = zeal::detail::run_shape_of(c, 2, false);
   EXPECT_EQ(zeal::estimate::predict(n.model, r).host_peak, zeal::estimate::predict(f.model, r).host_peak);
+}
+
+// Parameters offloaded from a GPU in stage 3: the root's and the persistent units' shards stay on
+// the device (the engine keeps them there), the rest go to host memory (cpu) or, past max_in_cpu,
+// to disk (nvme). Persistence as the config sets it: 0 releases every block, the default 1e5 none
+// of these small ones.
+TEST(PrepareCheck, OffloadedParametersOfPersistentUnitsStayOnTheDevice) {
+  FlatNet flat;  // a root (head) and three blocks, one Linear each
+  for (int64_t threshold : {int64_t{0}, int64_t{100'000}}) {
+    zeal::Config c = stage3();
+    c.zero.offload_param.device = zeal::OffloadDevice::kCpu;
+    c.zero.stage3_param_persistence_threshold = {threshold, false};
+    const auto shape = zeal::detail::prepared_model_shape(*flat, nullptr, c);
+    const auto bytes = [&](const zeal::estimate::Prediction& p, const std::string& name, const std::string& where) {
+      int64_t b = 0;
+      for (const auto& part : p.parts)
+        if (part.name == name && part.where == where) b += part.bytes;
+      return b;
+    };
+    const int world = 2;
+    const auto gpu = zeal::estimate::predict(shape.model, zeal::detail::run_shape_of(c, world, /*on_gpu=*/true));
+    const int64_t kept = threshold == 0 ? kLinear : 4 * kLinear;  // elements that stay on the device
+    SCOPED_TRACE("threshold " + std::to_string(threshold));
+    EXPECT_EQ(bytes(gpu, "parameters", "device"), 4 * kept / world);
+    EXPECT_EQ(bytes(gpu, "parameters in host memory", "host"), 4 * (4 * kLinear - kept) / world);
+    c.zero.offload_param.device = zeal::OffloadDevice::kNvme;
+    c.zero.offload_param.max_in_cpu = kLinear / world;  // one block's shard in host memory, the rest on disk
+    const auto nvme = zeal::estimate::predict(shape.model, zeal::detail::run_shape_of(c, world, true));
+    if (threshold == 0) {
+      EXPECT_EQ(bytes(nvme, "parameters in host memory", "host"), 4 * kLinear / world);
+      EXPECT_EQ(bytes(nvme, "parameters on disk", "disk"), 4 * 2 * kLinear / world);
+    } else {
+      EXPECT_EQ(bytes(nvme, "parameters on disk", "disk"), 0);
+    }
+  }
 }
 
 TEST(PrepareCheck, UnitsByTypeNameInsideASharedUnit) {
