@@ -709,7 +709,7 @@ void Engine::build_zero() {
   if (stage3 && !device_.is_cpu() && config_.zero.offload_param.device != OffloadDevice::kNone) {
     param_host = std::make_shared<offload::HostArena>(device_.is_cuda() && config_.zero.offload_param.pin_memory);
   }
-  if (stage3 && param_host && config_.zero.offload_param.device == OffloadDevice::kCpu && !state_->param_swap) {
+  if (param_host && config_.zero.offload_param.device == OffloadDevice::kCpu && !state_->param_swap) {
     state_->param_swap = std::make_shared<zero::ParamSwap>(param_host);
   }
   if (param_nvme && !state_->param_swap) {

@@ -139,9 +139,7 @@ int64_t ParamSwap::reserve(int64_t bytes, bool host) {
 void ParamSwap::store(const at::Tensor& t, int64_t offset) {
   const int64_t bytes = t.numel() * t.element_size();
   if (in_host(offset)) {
-    // From a GPU: waits for the copy (the shard is freed or written next).
-    detail::ScopedWait waiting(detail::WaitKind::kWrite);
-    host_region(t, offset).copy_(t);
+    host_region(t, offset).copy_(t);  // from a GPU: waits for the copy (the shard is freed or written next)
     return;
   }
   if (t.device().is_cpu()) {
