@@ -111,7 +111,7 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
     const Impl::Fds& fd = *fds[t.read];
     const int64_t at = t.b0 * f.crc_block, len = std::min(t.b1 * f.crc_block, f.bytes) - at;
     if (len <= 0) throw Error(fmt::format("checkpoint: {} is truncated: byte {} is past its end", r.path.string(), at));
-    int64_t direct = fd.direct >= 0 && !r.cached && f.crc_block % offload::kIoAlign == 0 ? len / offload::kIoAlign * offload::kIoAlign : 0;
+    int64_t direct = fd.direct >= 0 && !r.cached && !r.drop && f.crc_block % offload::kIoAlign == 0 ? len / offload::kIoAlign * offload::kIoAlign : 0;
     if (direct > 0) {
       try {
         io.read(fd.direct, r.path.string(), block, direct, at);
@@ -127,6 +127,12 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
                                 at + len));
       }
       got += k;
+    }
+    // Clean pages leave the cache at once: what stays there is what a second read will want. Only
+    // pages wholly within the read's own bytes: a block's edge may hold the next read's.
+    if (r.drop) {
+      const int64_t lo = (std::max(at, r.offset) + 4095) / 4096 * 4096, hi = std::min(at + len, r.offset + r.n) / 4096 * 4096;
+      if (hi > lo) (void)::posix_fadvise(fd.buffered, lo, hi - lo, POSIX_FADV_DONTNEED);
     }
   };
   // Reader threads keep the disk busy a few spans ahead (a ring of buffers) while this thread checks

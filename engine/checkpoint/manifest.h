@@ -40,6 +40,8 @@ class CheckedReader {
     int64_t offset, n;
     char* out;
     bool cached = false;  // through the page cache even where the reader reads with O_DIRECT
+    // Through the page cache (never O_DIRECT), then dropped from it: bytes nothing reads again soon.
+    bool drop = false;
   };
   // Where the checked bytes of a Read whose `out` is null go, in order: `at` bytes into read
   // `read`, `n` bytes at `p` (valid during the call). Without one, such a read is only checked.

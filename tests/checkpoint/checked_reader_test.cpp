@@ -83,6 +83,42 @@ TEST(CheckedReader, ManySpansComeOutWholeAndInOrder) {
   }
 }
 
+// Reads marked `drop` (bytes a load reads once) go through the page cache, even where the reader
+// reads with O_DIRECT, and leave it as they are checked; the pages of the reads beside them stay,
+// the pages they share with them included.
+TEST(CheckedReader, ReadsMarkedDropLeaveThePageCacheAndTheirNeighboursStay) {
+  File a("drop", 16 * kCrcBlock + 5000, 13);
+  const int64_t n = static_cast<int64_t>(a.data.size()), cut1 = 5 * kCrcBlock + 1000, cut2 = 12 * kCrcBlock + 7;
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "O_DIRECT" : "page cache");
+    const int fd = ::open(a.path.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fdatasync(fd), 0);
+    ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+    ::close(fd);
+    offload::MappedFile m(a.path.string(), n);
+    if (m.resident_fraction(0, n) > 0.01) GTEST_SKIP() << "this file system keeps clean pages (tmpfs?)";
+    std::vector<std::vector<char>> out(3);
+    std::vector<CheckedReader::Read> reads{{a.path, &a.saved, 0, cut1, nullptr, /*cached=*/true},
+                                           {a.path, &a.saved, cut1, cut2 - cut1, nullptr},
+                                           {a.path, &a.saved, cut2, n - cut2, nullptr, /*cached=*/true}};
+    reads[1].drop = true;
+    for (size_t i = 0; i < reads.size(); ++i) {
+      out[i].resize(static_cast<size_t>(reads[i].n));
+      reads[i].out = out[i].data();
+    }
+    CheckedReader(kCrcBlock, direct, /*readers=*/1).read_many(reads);
+    for (size_t i = 0; i < reads.size(); ++i)
+      ASSERT_EQ(0, std::memcmp(out[i].data(), a.data.data() + reads[i].offset, out[i].size())) << "read " << i;
+    const int64_t page = 4096, in1 = (cut1 + page - 1) / page * page, in2 = cut2 / page * page;
+    EXPECT_LT(m.resident_fraction(in1, in2), 0.01) << "the dropped read's pages are still cached";
+    EXPECT_GT(m.resident_fraction(0, cut1), 0.99) << "the read before it lost pages";
+    EXPECT_GT(m.resident_fraction(cut2, n), 0.99) << "the read after it lost pages";
+    EXPECT_EQ(m.resident_fraction(in1 - page, in1), 1.0) << "the page it shares with the read before is gone";
+    EXPECT_EQ(m.resident_fraction(in2, in2 + page), 1.0) << "the page it shares with the read after is gone";
+  }
+}
+
 TEST(CheckedReader, ACorruptedBlockInAnySpanIsNamed) {
   File a("c", 11 * kCrcBlock + 4321, 3), b("d", 7 * kCrcBlock, 4);
   for (int64_t block : {0, 1, 6, 10}) {
