@@ -303,11 +303,11 @@ Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double 
   double persistent_elems = 0;
   std::vector<size_t> trace;
   for (size_t i = 0; i < n; ++i) {
-    // The gather model's own threshold ("auto"'s, whatever the config says: its trace walks the
-    // units that are released).
-    persistent[i] = unit_persistent(m, RunShape{}, i);
+    persistent[i] = unit_persistent(m, r, i);
     if (persistent[i]) persistent_elems += static_cast<double>(m.units[i]);
-    else trace.push_back(i);
+    // Every block runs, persistent or not: the trace is theirs (their activations, their gradients'
+    // staging); only the released ones are gathered and let go along it.
+    if (i > 0) trace.push_back(i);
   }
   const size_t nf = trace.size();
   for (size_t k = nf; k-- > 0;) trace.push_back(trace[k]);
@@ -318,20 +318,20 @@ Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double 
     if (bytes > best.bytes) best = {bytes, gathered, staging, acts, lg, hd, in_head};
   };
   double live = 0;
-  auto hold = [&](size_t u) {
-    if (!held[u]) live += static_cast<double>(m.units[u]);
+  auto hold = [&](size_t u) {  // persistent units are in persistent_elems all along
+    if (!held[u] && !persistent[u]) live += static_cast<double>(m.units[u]);
     held[u] = 1;
   };
   auto drop = [&](size_t u) {
-    if (held[u]) live -= static_cast<double>(m.units[u]);
+    if (held[u] && !persistent[u]) live -= static_cast<double>(m.units[u]);
     held[u] = 0;
   };
   const double activations = acts.stored_total();
   for (size_t k = 0; k < trace.size(); ++k) {
     const size_t u = trace[k];
     hold(u);
-    for (size_t j = k + 1; j < trace.size(); ++j) {
-      if (!held[trace[j]]) {
+    for (size_t j = k + 1; j < trace.size(); ++j) {  // the next gather, prefetched
+      if (!held[trace[j]] && !persistent[trace[j]]) {
         hold(trace[j]);
         break;
       }
@@ -351,15 +351,15 @@ Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double 
       const double again = block < acts.again.size() ? acts.again[block] : 0;
       consider(gathered, staging, acts.stored_up_to(block) + again, 0, head_wait);
     }
-    bool keep = false;
-    if (live <= live_cap) {
+    bool keep = persistent[u] != 0;
+    if (!keep && live <= live_cap) {
       double distance = 0;
       for (size_t j = k + 1; j < trace.size() && distance < R; ++j) {
         if (trace[j] == u) {
           keep = true;
           break;
         }
-        distance += static_cast<double>(m.units[trace[j]]);
+        if (!persistent[trace[j]]) distance += static_cast<double>(m.units[trace[j]]);
       }
     }
     if (!keep) drop(u);

@@ -5,6 +5,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -131,6 +132,37 @@ TEST(PrepareCheck, OffloadedParametersOfPersistentUnitsStayOnTheDevice) {
       EXPECT_EQ(bytes(nvme, "parameters on disk", "disk"), 0);
     }
   }
+}
+
+// Stage 3's gathers follow stage3_param_persistence_threshold as configured: with every block
+// within it nothing is ever released (every parameter gathered at the peak), and the blocks still
+// run, so the peak holds every block's activations; with 0 (and no reuse distance) the blocks are
+// released after use: the same activations beside fewer gathered parameters.
+TEST(PrepareCheck, AThresholdThatKeepsEveryUnitKeepsItsActivations) {
+  const auto m = zeal::estimate::gpt_shape("gpt-tiny", 1000, 64, 4, 64, 4);
+  ASSERT_TRUE(m.transformer.has_value());
+  zeal::estimate::RunShape r;
+  r.stage = 3;
+  r.world = 2;
+  r.micro_batch = 2;
+  r.seq_len = 32;
+  r.max_reuse_distance = 0;  // else DeepSpeed's default keeps a used unit for its backward
+  const auto part = [](const zeal::estimate::Prediction& p, const std::string& name) {
+    int64_t b = 0;
+    for (const auto& x : p.parts)
+      if (x.name == name) b += x.bytes;
+    return b;
+  };
+  const auto& t = *m.transformer;
+  const int64_t activations = t.layers * r.micro_batch * r.seq_len * (8 * t.hidden + 2 * t.ffn) * 4;  // fp32
+  r.persistence_threshold = *std::max_element(m.units.begin(), m.units.end());
+  const auto kept = zeal::estimate::predict(m, r);
+  EXPECT_EQ(part(kept, "gathered units"), 4 * m.params);
+  EXPECT_EQ(part(kept, "activations"), activations);
+  r.persistence_threshold = 0;
+  const auto released = zeal::estimate::predict(m, r);
+  EXPECT_LT(part(released, "gathered units"), 4 * m.params);
+  EXPECT_EQ(part(released, "activations"), activations);
 }
 
 TEST(PrepareCheck, UnitsByTypeNameInsideASharedUnit) {
