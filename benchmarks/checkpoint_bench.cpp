@@ -289,22 +289,23 @@ int main(int argc, char** argv) {
           zeal_bench::put_ratio(out, "load_kept_ratio_vs_fio",
                                 zeal_bench::ratio(S("zeal load (kept)"), S("fio read")));
           zeal_bench::put_ratio(out, "resume_ratio_vs_fio", zeal_bench::ratio(S("zeal resume"), S("fio read")));
-          // The physical floor of a load within the memory bound: the files read at fio's speed, then
-          // the bytes pass two applies copied at memory speed (the kept-memory memcpy's, both ranks
-          // at once), round by round. A load into the engine that saved applies everything in pass
+          // A load within the memory bound whose first pass read as fast as fio: the files read at
+          // fio's speed, then the bytes pass two applies copied at memory speed (the kept-memory
+          // memcpy's, both ranks at once), round by round. No floor where the page cache's reads
+          // outrun fio's O_DIRECT ones. A load into the engine that saved applies everything in pass
           // two; a resume only the master weights (a third of fp32 AdamW's state: m and v go in
           // place as pass one checks them).
-          const auto floor = [&](double again) {
+          const auto fio_plus_copy = [&](double again) {
             zeal_bench::Series f;
             const auto &rd = S("fio read").values, &cp = S("memcpy into kept memory").values;
             for (size_t i = 0; i < std::min(rd.size(), cp.size()); ++i)
               f.values.push_back(1.0 / (1.0 / rd[i] + again / cp[i]));
             return f;
           };
-          out["load_floor_bytes_per_s"] = floor(1.0).values;
-          out["resume_floor_bytes_per_s"] = floor(1.0 / 3).values;
-          zeal_bench::put_ratio(out, "load_ratio_vs_floor", zeal_bench::ratio(S("zeal load"), floor(1.0)));
-          zeal_bench::put_ratio(out, "resume_ratio_vs_floor", zeal_bench::ratio(S("zeal resume"), floor(1.0 / 3)));
+          out["load_fio_plus_copy_bytes_per_s"] = fio_plus_copy(1.0).values;
+          out["resume_fio_plus_copy_bytes_per_s"] = fio_plus_copy(1.0 / 3).values;
+          zeal_bench::put_ratio(out, "load_ratio_vs_fio_plus_copy", zeal_bench::ratio(S("zeal load"), fio_plus_copy(1.0)));
+          zeal_bench::put_ratio(out, "resume_ratio_vs_fio_plus_copy", zeal_bench::ratio(S("zeal resume"), fio_plus_copy(1.0 / 3)));
           // The floor of an asynchronous save's blocking: the state copied at memory speed, as a
           // fraction of a whole save, round by round.
           zeal_bench::put_ratio(out, "copy_floor_kept_vs_save",
@@ -365,9 +366,9 @@ int main(int argc, char** argv) {
                 sv_("zeal_resume_bytes_per_s").max() / 1e9, pr.text().c_str());
     for (const char* what : {"load", "resume"}) {
       const std::string k = what;
-      const auto f = sv_((k + "_floor_bytes_per_s").c_str());
-      std::printf("| %s against its floor (fio's read, then what pass two applies copied at memory speed) | zeal "
-                  "%.2f GB/s | floor %.2f GB/s (%.2f–%.2f) | ratio %s |\n",
+      const auto f = sv_((k + "_fio_plus_copy_bytes_per_s").c_str());
+      std::printf("| %s against fio's read plus the copy of what pass two applies | zeal "
+                  "%.2f GB/s | fio + copy %.2f GB/s (%.2f–%.2f) | ratio %s |\n",
                   what, sv_(("zeal_" + k + "_bytes_per_s").c_str()).median() / 1e9, f.median() / 1e9, f.min() / 1e9,
                   f.max() / 1e9, zeal_bench::ratio(sv_(("zeal_" + k + "_bytes_per_s").c_str()), f).text().c_str());
     }

@@ -330,7 +330,8 @@ Stage3Peak stage3_peak(const ModelShape& m, const RunShape& r, double P, double 
   for (size_t k = 0; k < trace.size(); ++k) {
     const size_t u = trace[k];
     hold(u);
-    for (size_t j = k + 1; j < trace.size(); ++j) {  // the next gather, prefetched
+    // The next gather, prefetched when a released unit is fetched (a persistent one fetches nothing).
+    for (size_t j = k + 1; j < trace.size() && !persistent[u]; ++j) {
       if (!held[trace[j]] && !persistent[trace[j]]) {
         hold(trace[j]);
         break;

@@ -129,9 +129,11 @@ void CheckedReader::read_many(const std::vector<Read>& reads, const Sink& sink) 
       got += k;
     }
     // Clean pages leave the cache at once: what stays there is what a second read will want. Only
-    // pages wholly within the read's own bytes: a block's edge may hold the next read's.
+    // whole blocks within the read's own bytes: a block it shares with the read beside it is
+    // checked whole again when that one is read again.
     if (r.drop) {
-      const int64_t lo = (std::max(at, r.offset) + 4095) / 4096 * 4096, hi = std::min(at + len, r.offset + r.n) / 4096 * 4096;
+      const int64_t cb = f.crc_block, end = std::min(at + len, r.offset + r.n);
+      const int64_t lo = (std::max(at, r.offset) + cb - 1) / cb * cb, hi = end == f.bytes ? end : end / cb * cb;
       if (hi > lo) (void)::posix_fadvise(fd.buffered, lo, hi - lo, POSIX_FADV_DONTNEED);
     }
   };

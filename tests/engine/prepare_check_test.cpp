@@ -165,6 +165,27 @@ TEST(PrepareCheck, AThresholdThatKeepsEveryUnitKeepsItsActivations) {
   EXPECT_EQ(part(released, "activations"), activations);
 }
 
+// A persistent unit fetches nothing, so it prefetches nothing either: in three blocks whose last is
+// persistent, with nothing kept for reuse, the first block is gathered ahead for its backward while
+// the second runs, the second is let go, and at the turnaround (the logits: the peak, with a large
+// vocabulary) the gathered parameters are the root's, the last block's and the first block's.
+TEST(PrepareCheck, APersistentUnitPrefetchesNothing) {
+  auto m = zeal::estimate::gpt_shape("gpt-tiny", 50000, 64, 3, 64, 4);
+  m.params -= m.units[3] - 100;
+  m.units[3] = 100;  // within the threshold below; the other blocks are not
+  zeal::estimate::RunShape r;
+  r.stage = 3;
+  r.world = 2;
+  r.micro_batch = 2;
+  r.seq_len = 32;
+  r.max_reuse_distance = 0;
+  r.persistence_threshold = 1000;
+  int64_t gathered = 0;
+  for (const auto& x : zeal::estimate::predict(m, r).parts)
+    if (x.name == "gathered units") gathered += x.bytes;
+  EXPECT_EQ(gathered, 4 * (m.units[0] + m.units[3] + m.units[1]));
+}
+
 TEST(PrepareCheck, UnitsByTypeNameInsideASharedUnit) {
   zeal::Config c = stage3();
   c.zero.unit_names = {"LeafImpl"};
