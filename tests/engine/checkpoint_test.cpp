@@ -406,6 +406,22 @@ void run_linear(const RunSpec& s, const LinearBody& body, const std::map<std::st
   EXPECT_EQ(zeal::describe_failures(results), "");
 }
 
+// Saves the state into out/before, loads ckpt, saves into out/after, and writes what the load said
+// ("accepted", or its error) into out/message_<rank>.
+LinearBody save_load_save(const std::string& ckpt, const std::string& out) {
+  return [ckpt, out](zeal::Engine& e, torch::nn::Module&, std::function<void()>) {
+    e.save_state(out + "/before");
+    std::string msg = "accepted";
+    try {
+      e.load_state(ckpt);
+    } catch (const zeal::Error& err) {
+      msg = err.what();
+    }
+    e.save_state(out + "/after");
+    std::ofstream(out + "/message_" + std::to_string(e.process_index())) << msg;
+  };
+}
+
 // A new engine's state put in place over several of the reader's spans (32 MiB each): the state it
 // then holds is the saved one, byte for byte; when a block of it fails its check after the spans
 // before it went in, the state is zeros again. A 4200 x 4200 weight on 1 rank: its exp_avg and
@@ -431,19 +447,8 @@ TEST(CheckpointDamage, AStateInPlaceOverManySpansIsTheSavedOneOrZerosAgain) {
   ASSERT_GT(at, 0);
   bytes[static_cast<size_t>(at)] ^= 0x10;
   std::ofstream(f0, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  run_linear(s, [&](zeal::Engine& e, torch::nn::Module&, std::function<void()>) {
-        e.save_state(out + "/before");
-        std::string msg = "accepted";
-        try {
-          e.load_state(ckpt);
-        } catch (const zeal::Error& err) {
-          msg = err.what();
-        }
-        e.save_state(out + "/after");
-        std::ofstream(out + "/message") << msg;
-      },
-      {}, kDim);
-  const std::string msg = file_bytes(out + "/message");
+  run_linear(s, save_load_save(ckpt, out), {}, kDim);
+  const std::string msg = file_bytes(out + "/message_0");
   EXPECT_NE(msg.find("rank0.safetensors is corrupted"), std::string::npos) << msg;
   EXPECT_TRUE(file_bytes(out + "/before/rank0.safetensors") == file_bytes(out + "/after/rank0.safetensors"))
       << "the state changed in a failed load";
@@ -488,18 +493,7 @@ TEST(CheckpointDamage, ANewEnginesStateGoesInPlaceAndBackToZerosWhenALaterBlockF
   std::string bad = good;
   bad[static_cast<size_t>(at)] ^= 0x10;
   std::ofstream(f1, std::ios::binary | std::ios::trunc).write(bad.data(), static_cast<std::streamsize>(bad.size()));
-  run([&](zeal::Engine& e, torch::nn::Module&, std::function<void()>) {
-        e.save_state(out + "/before");
-        std::string msg = "accepted";
-        try {
-          e.load_state(ckpt);
-        } catch (const zeal::Error& err) {
-          msg = err.what();
-        }
-        e.save_state(out + "/after");
-        std::ofstream(out + "/message_" + std::to_string(e.process_index())) << msg;
-      },
-      {});
+  run(save_load_save(ckpt, out), {});
   for (int r = 0; r < s.world; ++r) {
     const std::string msg = file_bytes(out + "/message_" + std::to_string(r));
     EXPECT_NE(msg.find("rank1.safetensors is corrupted"), std::string::npos) << msg;
