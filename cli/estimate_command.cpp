@@ -31,7 +31,8 @@ Runner add_estimate_command(CLI::App& app) {
     int64_t micro_batch = 1, seq_len = 1024;
     bool gpu = false;
     bool checkpointing = false, chunked_loss = false, untied_head = false;
-    int64_t checkpoint_interval = 1, loss_chunk = 0, max_in_cpu = 1'000'000'000, trainable = -1;
+    int64_t checkpoint_interval = 1, loss_chunk = 0, max_in_cpu = 1'000'000'000, trainable = -1,
+            persistence = 100'000;
     std::string frozen_head = "auto";
   };
   auto o = std::make_shared<Options>();
@@ -69,6 +70,10 @@ Runner add_estimate_command(CLI::App& app) {
       ->check(flags::integer_in(0, int64_t{1} << 40));
   cmd->add_option("--max_in_cpu", o->max_in_cpu,
                   "offload_param nvme: shard elements per rank kept in host memory (default DeepSpeed's 1e9)")
+      ->check(flags::integer_in(0, int64_t{1} << 50));
+  cmd->add_option("--stage3_param_persistence_threshold", o->persistence,
+                  "stage 3: units with at most this many elements stay gathered (default 100000, the engine's "
+                  "default and its value for \"auto\")")
       ->check(flags::integer_in(0, int64_t{1} << 50));
   cmd->add_option("--trainable_params", o->trainable,
                   "elements that train (LoRA's adapters); the rest are frozen (default: all train)")
@@ -122,6 +127,7 @@ Runner add_estimate_command(CLI::App& app) {
     r.chunked_loss = o->chunked_loss;
     r.loss_chunk = o->loss_chunk;
     r.max_in_cpu = o->max_in_cpu;
+    r.persistence_threshold = o->persistence;
     if (o->trainable >= 0) {
       if (o->trainable > m.params) {
         throw Error(fmt::format("--trainable_params: {} is more than the model's {} parameters", o->trainable, m.params));

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <fstream>
 #include <stdexcept>
@@ -285,14 +286,10 @@ struct BlockActivations {
   }
 };
 
-// Stage 3's persistent units: the root and those within stage3_param_persistence_threshold ("auto":
-// 10 × the hidden size, as Accelerate fills it; else DeepSpeed's default 1e5).
+// Stage 3's persistent units: the root and those within stage3_param_persistence_threshold.
 namespace {
 bool unit_persistent(const ModelShape& m, const RunShape& r, size_t i) {
-  const double threshold = r.persistence_threshold >= 0 ? static_cast<double>(r.persistence_threshold)
-                           : m.transformer           ? 10.0 * static_cast<double>(m.transformer->hidden)
-                                                     : 1e5;
-  return i == 0 || static_cast<double>(m.units[i]) <= threshold;
+  return i == 0 || m.units[i] <= r.persistence_threshold;
 }
 }  // namespace
 
@@ -431,17 +428,22 @@ Prediction predict(const ModelShape& m, const RunShape& r) {
   // Shards past max_in_cpu are read from disk ahead of their units' gathers: up to
   // offload_param.buffer_count reads in flight, each a unit's shard, and the shard of the unit being
   // gathered (gpt2-small on 2 ranks with 2/3 of its shards on disk: 6 x 14 MiB measured). The
-  // optimizer step holds fewer: it brings the trainable shards in one unit at a time. On a GPU a
-  // shard is read when its gather is issued, through one host buffer of its size.
+  // optimizer step brings the trainable shards in a unit at a time: one (two across a boundary), or,
+  // with the optimizer on NVMe too, those of every unit whose shard starts in the window it
+  // updates (sub_group_size elements), and the one before. On a GPU a shard is read when its gather
+  // is issued, through one host buffer of its size.
+  const double window = std::min(static_cast<double>(nvme_window_elems(r.sub_group_size)), mo_share);
   if (disk_share > 0 && m.units.size() >= 2) {
     const double largest_unit = static_cast<double>(*std::max_element(m.units.begin() + 1, m.units.end()));
-    const double units_held = r.on_gpu ? 1 : static_cast<double>(r.param_buffer_count + 1);
+    double units_held = r.on_gpu ? 1 : static_cast<double>(r.param_buffer_count + 1);
+    if (!r.on_gpu && r.offload_optimizer == Offload::kNvme && largest_unit > 0) {
+      units_held = std::max(units_held, std::ceil(window / (largest_unit / N)) + 1);
+    }
     add("parameter shards read from disk", P * std::min(disk_share, units_held * largest_unit / N), "host");
   }
   // Offload buffers: NVMe windows (up to three sets of master, m, v, gradients and the gradients'
   // read buffer, plus the result window);
   // CPU offload: the step's gradient and result buffers.
-  const double window = std::min(static_cast<double>(nvme_window_elems(r.sub_group_size)), mo_share);
   if (r.offload_optimizer == Offload::kNvme) {
     add("offload windows", (20.0 * std::clamp(r.buffer_count, 1, 3) + P) * window, "host");
   } else if (r.offload_optimizer == Offload::kCpu && !local_offload) {

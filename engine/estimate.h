@@ -93,8 +93,9 @@ struct RunShape {
   int64_t max_live_parameters = 1'000'000'000;
   int64_t max_reuse_distance = 1'000'000'000;
   int64_t max_in_cpu = 1'000'000'000;   // offload_param nvme: shard elements kept in host memory
-  // stage3_param_persistence_threshold (-1: "auto", 10 × the hidden size where the model has one, else 1e5)
-  int64_t persistence_threshold = -1;
+  // stage3_param_persistence_threshold: the engine's default, and what it fills "auto" with (it does
+  // not know the model's hidden size; Config::resolve_auto with one gives 10 × it)
+  int64_t persistence_threshold = 100'000;
   int buffer_count = 4;                  // offload_optimizer.buffer_count
   int param_buffer_count = 5;            // offload_param.buffer_count: shard reads ahead at once
   int64_t runtime_bytes = 0;             // the process's resident set before the model (measured)

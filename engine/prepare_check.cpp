@@ -50,8 +50,10 @@ estimate::RunShape run_shape_of(const Config& c, int world, bool on_gpu) {
   r.max_live_parameters = c.zero.stage3_max_live_parameters;
   r.max_reuse_distance = c.zero.stage3_max_reuse_distance;
   r.max_in_cpu = c.zero.offload_param.max_in_cpu;
-  r.persistence_threshold =
-      c.zero.stage3_param_persistence_threshold.is_auto ? -1 : c.zero.stage3_param_persistence_threshold.value;
+  // The engine has filled "auto" by now (with DeepSpeed's default, as it does not know the hidden size).
+  if (!c.zero.stage3_param_persistence_threshold.is_auto) {
+    r.persistence_threshold = c.zero.stage3_param_persistence_threshold.value;
+  }
   r.buffer_count = static_cast<int>(c.zero.offload_optimizer.buffer_count);
   r.param_buffer_count = static_cast<int>(c.zero.offload_param.buffer_count);
   r.activation_checkpointing = c.activation_checkpointing.enabled;

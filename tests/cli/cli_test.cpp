@@ -7,6 +7,8 @@
 #include <sstream>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "engine/config/config.h"
 #include "tests/cli/run_zeal.h"
 
@@ -221,4 +223,28 @@ TEST_F(CliTest, OffloadTunePrintsTheAioSectionToPaste) {
   Result bad = run_zeal("offload tune --nvme_path " + path("missing"));
   EXPECT_NE(bad.status, 0);
   EXPECT_NE(bad.output.find("nvme_path '" + path("missing") + "' is not a directory"), std::string::npos) << bad.output;
+}
+
+// estimate-memory's stage-3 persistence threshold: by default the engine's (1e5, also what it fills
+// "auto" with), so the tiny preset's blocks (about 50 K elements each) stay gathered as they do in
+// a run; a threshold of 0 shards them and the predicted peak falls.
+TEST_F(CliTest, EstimatePersistenceThresholdIsTheEnginesByDefault) {
+  auto peak = [&](const std::string& extra) {
+    const std::string out = path("e" + std::to_string(extra.size()) + ".json");
+    Result r = run_zeal("estimate-memory --model tiny --num_processes 2 --seq_len 32 --stages 3 --offload none --json " +
+                        out + " " + extra);
+    EXPECT_EQ(r.status, 0) << r.output;
+    // The peak less the runtime, which the command measures in itself each time.
+    const auto row = nlohmann::json::parse(std::ifstream(out)).at("zeal").at(0);
+    const auto& parts = row.at("parts");
+    const int64_t runtime = parts.contains("runtime") ? parts["runtime"].at("bytes").get<int64_t>() : 0;
+    return row.at("host_peak_bytes").get<int64_t>() - runtime;
+  };
+  const int64_t by_default = peak(""), explicit_default = peak("--stage3_param_persistence_threshold 100000"),
+                sharded = peak("--stage3_param_persistence_threshold 0");
+  EXPECT_EQ(by_default, explicit_default);
+  EXPECT_GT(by_default, sharded);
+  Result bad = run_zeal("estimate-memory --model tiny --stage3_param_persistence_threshold -1");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.output.find("--stage3_param_persistence_threshold"), std::string::npos) << bad.output;
 }
