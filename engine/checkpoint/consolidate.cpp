@@ -407,36 +407,44 @@ ConsolidateResult consolidate(const std::string& ckpt_dir, const std::string& ou
         have = "F32";
       }
       const int64_t es = dtype_size(have);
-      if (p.transpose) {  // [rows, cols] → [cols, rows], element by element
-        const int64_t rows = p.shape[0], cols = p.shape[1];
-        std::vector<char> t(src.size());
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < cols; ++j)
-            std::memcpy(t.data() + (j * rows + i) * es, src.data() + (i * cols + j) * es, static_cast<size_t>(es));
-        src.swap(t);
-      }
       const std::string to = out_type(p);
-      if (to == have) {
+      if (to == have && !p.transpose) {
         w.append(src.data(), static_cast<int64_t>(src.size()));
       } else {
-        dst.resize(static_cast<size_t>(p.numel * dtype_size(to)));
-        for (int64_t e = 0; e < p.numel; ++e) {
-          float f;
-          if (have == "F32") {
-            std::memcpy(&f, src.data() + 4 * e, 4);
-          } else {
-            uint16_t h;
-            std::memcpy(&h, src.data() + 2 * e, 2);
-            f = have == "BF16" ? from_bf16(h) : from_f16(h);
+        // A MiB of elements at a time: transposed ([rows, cols] → [cols, rows]) and converted into
+        // `dst`, then written; the parameter is never held twice.
+        const int64_t os = dtype_size(to), rows = p.transpose ? p.shape[0] : 0, cols = p.transpose ? p.shape[1] : 0;
+        const bool same = to == have, from32 = have == "F32", from_b = have == "BF16", to32 = to == "F32",
+                   to_b = to == "BF16";
+        constexpr int64_t kChunk = int64_t{1} << 20;
+        dst.resize(static_cast<size_t>(std::min(p.numel, kChunk) * os));
+        for (int64_t e0 = 0; e0 < p.numel; e0 += kChunk) {
+          const int64_t n = std::min(kChunk, p.numel - e0);
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t e = e0 + j;
+            const char* from = src.data() + (p.transpose ? (e % rows) * cols + e / rows : e) * es;
+            char* out = dst.data() + j * os;
+            if (same) {
+              std::memcpy(out, from, static_cast<size_t>(es));
+              continue;
+            }
+            float f;
+            if (from32) {
+              std::memcpy(&f, from, 4);
+            } else {
+              uint16_t h;
+              std::memcpy(&h, from, 2);
+              f = from_b ? from_bf16(h) : from_f16(h);
+            }
+            if (to32) {
+              std::memcpy(out, &f, 4);
+            } else {
+              const uint16_t h = to_b ? to_bf16(f) : to_f16(f);
+              std::memcpy(out, &h, 2);
+            }
           }
-          if (to == "F32") {
-            std::memcpy(dst.data() + 4 * e, &f, 4);
-          } else {
-            const uint16_t h = to == "BF16" ? to_bf16(f) : to_f16(f);
-            std::memcpy(dst.data() + 2 * e, &h, 2);
-          }
+          w.append(dst.data(), n * os);
         }
-        w.append(dst.data(), static_cast<int64_t>(dst.size()));
       }
       ++result.tensors;
       if (progress) progress(p.name, p.numel * dtype_size(to));

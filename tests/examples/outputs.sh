@@ -4,6 +4,8 @@
 #   their index), leaving the folder's other files alone;
 # - an export that fails (a corrupted checkpoint) leaves the previous export byte for byte and no
 #   partial file;
+# - --names renames and transposes what it names, leaves the rest byte for byte, and refuses a name
+#   the checkpoint lacks or a malformed file;
 # - offload to nvme on a file system too small for the swap files ends at prepare, naming the folder
 #   and both sizes, with nothing written there (root: a 16 MiB tmpfs; skipped otherwise).
 #
@@ -58,6 +60,56 @@ grep -qi "crc\|checksum" <<<"$err" || fail "the failure does not name the checks
 [ "$(listing "$out")" = "$before" ] || fail "the failed export changed the folder: $(ls -A "$out")"
 [ -z "$(ls -A "$out" | grep -v '^config.json$\|^model')" ] || fail "the failed export left: $(ls -A "$out")"
 echo "PASS: a failed export left the previous one byte for byte ($err)"
+
+# --names: a tensor renamed, a 2-D one written transposed (its bytes checked against the plain
+# export's, transposed here), the rest as they were; a name the checkpoint lacks is refused.
+plain=$work/plain named=$work/named
+"$zeal" consolidate "$work/ck" "$plain" >/dev/null || fail "the plain export"
+python3 - "$plain/model.safetensors" "$work/names.json" <<'EOF' || fail "choosing the names"
+import json, struct, sys
+b = open(sys.argv[1], "rb").read()
+h = json.loads(b[8:8 + struct.unpack("<Q", b[:8])[0]])
+two = sorted(n for n, e in h.items() if n != "__metadata__" and len(e["shape"]) == 2 and e["shape"][0] != e["shape"][1])
+one = sorted(n for n, e in h.items() if n != "__metadata__" and len(e["shape"]) == 1)
+json.dump({two[0]: {"name": "renamed.t", "transpose": True}, one[0]: "renamed.v"}, open(sys.argv[2], "w"))
+EOF
+"$zeal" consolidate "$work/ck" "$named" --names "$work/names.json" >/dev/null || fail "the export with --names"
+python3 - "$plain/model.safetensors" "$named/model.safetensors" "$work/names.json" <<'EOF' || fail "the renamed export"
+import array, json, struct, sys
+def load(p):
+    b = open(p, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n])
+    h.pop("__metadata__", None)
+    return h, b[8 + n:]
+(ph, pb), (nh, nb) = load(sys.argv[1]), load(sys.argv[2])
+names = json.load(open(sys.argv[3]))
+t_from = next(k for k, v in names.items() if isinstance(v, dict))
+v_from = next(k for k, v in names.items() if isinstance(v, str))
+t_to, v_to = names[t_from]["name"], names[v_from]
+assert set(nh) == (set(ph) - {t_from, v_from}) | {t_to, v_to}, sorted(set(nh) ^ set(ph))
+def data(h, b, n):
+    e = h[n]
+    return b[e["data_offsets"][0]:e["data_offsets"][1]]
+for n in set(ph) - {t_from, v_from}:
+    assert data(ph, pb, n) == data(nh, nb, n), n
+assert data(ph, pb, v_from) == data(nh, nb, v_to)
+r, c = ph[t_from]["shape"]
+assert nh[t_to]["shape"] == [c, r] and ph[t_from]["dtype"] == "F32", (nh[t_to], ph[t_from])
+src, dst = array.array("f", data(ph, pb, t_from)), array.array("f", data(nh, nb, t_to))
+assert all(dst[j * r + i] == src[i * c + j] for i in range(r) for j in range(c)), "not the transpose"
+print(f"renamed {t_from} -> {t_to} (transposed {r}x{c}), {v_from} -> {v_to}")
+EOF
+echo '{"no.such.tensor": "x"}' >"$work/bad_names.json"
+err=$("$zeal" consolidate "$work/ck" "$work/never" --names "$work/bad_names.json" 2>&1 >/dev/null) &&
+  fail "a name the checkpoint lacks was accepted"
+grep -q "no.such.tensor" <<<"$err" || fail "the refusal does not name the tensor: $err"
+[ ! -e "$work/never/model.safetensors" ] || fail "the refused export wrote a file"
+echo '{"x": 3}' >"$work/bad_names.json"
+err=$("$zeal" consolidate "$work/ck" "$work/never" --names "$work/bad_names.json" 2>&1 >/dev/null) &&
+  fail "a names file of numbers was accepted"
+grep -q "'x' maps to 3" <<<"$err" || fail "the malformed names file is not named: $err"
+echo "PASS: --names renamed and transposed as asked, and refused what it could not do"
 
 # Free space for the swap files, at prepare.
 if [ "$(id -u)" != 0 ]; then echo "skipped the free-space case: needs root to mount a tmpfs"; exit 0; fi
