@@ -171,12 +171,16 @@ void Engine::init() {
   // The world comes from the runtime; "auto" sizes that depend on the model's hidden size take
   // DeepSpeed's defaults here (the engine does not know the hidden size).
   config_.launch.num_processes = runtime_->world_size();
-  auto fill = [](auto& a, auto value) {
-    if (a.is_auto) a = {value, false};
+  auto fill = [&](auto& a, auto value, const char* key) {
+    if (!a.is_auto) return;
+    a = {value, false};
+    log::debug("{}: \"auto\" is {} (DeepSpeed's default; Config::resolve_auto with the hidden size gives Accelerate's)",
+               key, value);
   };
-  fill(config_.zero.reduce_bucket_size, int64_t{500'000'000});
-  fill(config_.zero.stage3_prefetch_bucket_size, int64_t{50'000'000});
-  fill(config_.zero.stage3_param_persistence_threshold, int64_t{100'000});
+  fill(config_.zero.reduce_bucket_size, int64_t{500'000'000}, "zero_optimization.reduce_bucket_size");
+  fill(config_.zero.stage3_prefetch_bucket_size, int64_t{50'000'000}, "zero_optimization.stage3_prefetch_bucket_size");
+  fill(config_.zero.stage3_param_persistence_threshold, int64_t{100'000},
+       "zero_optimization.stage3_param_persistence_threshold");
   // Accelerate builds a ZeRO-3 model partitioned unless told otherwise: its DeepSpeed plugin takes an
   // unset zero3_init_flag from ACCELERATE_DEEPSPEED_ZERO3_INIT, else from whether the config is stage 3.
   if (config_.launch.distributed_type == "DEEPSPEED" && config_.zero.stage == 3) {
@@ -611,14 +615,32 @@ void Engine::build_zero() {
   for (auto& b : module.buffers(true)) to_sync.push_back(b);
   if (c.world_size() > 1) {
     std::vector<Work> works;
+    std::vector<std::pair<at::Tensor, at::Tensor>> back;  // a non-contiguous one through a copy
     for (auto& t : to_sync) {
-      if (t.numel() > 0 && t.is_contiguous()) works.push_back(c.broadcast(t, 0));
+      if (t.numel() == 0) continue;
+      if (t.is_contiguous()) {
+        works.push_back(c.broadcast(t, 0));
+      } else {
+        back.push_back({t, t.contiguous()});
+        works.push_back(c.broadcast(back.back().second, 0));
+      }
     }
     for (auto& w : works) w.wait();
+    c10::NoGradGuard no_grad;
+    for (auto& [t, copy] : back) t.copy_(copy);
   }
   for (auto& p : frozen) {
     if (stage3) break;
     if (at::isFloatingType(p.scalar_type()) && p.scalar_type() != compute_dtype_) p.set_data(p.to(compute_dtype_));
+  }
+  // With bf16 or fp16 the floating-point buffers compute in that dtype too, as DeepSpeed's
+  // module.bfloat16()/half() casts them: a BatchNorm's weight (trained in the compute dtype) and its
+  // running statistics must agree, or LibTorch's batch_norm refuses the mix. Integer buffers stay.
+  if (compute_dtype_ != at::kFloat) {
+    c10::NoGradGuard no_grad;
+    for (auto& b : module.buffers(true)) {
+      if (at::isFloatingType(b.scalar_type()) && b.scalar_type() != compute_dtype_) b.set_data(b.to(compute_dtype_));
+    }
   }
   // offload_optimizer.device cpu: master weights and optimizer state in one host arena (pinned for
   // a GPU when pin_memory asks), the step on the CPU.

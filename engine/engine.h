@@ -38,6 +38,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/buffers.h"
 #include "engine/trackers.h"
 #include "engine/config/config.h"
 #include "engine/data/loader.h"
@@ -119,8 +120,9 @@ struct SaveModelOptions {
 // model.safetensors.index.json names, as engine.save_model and `zeal consolidate` write them) into
 // `model`'s parameters and buffers by name (the model's own, or the exported name: zeal::Sharded's
 // "block" level left out; LoRA adapter tensors a file lacks keep their values), converting the
-// dtype; a missing name or a shape that
-// differs is a zeal::Error naming it (nothing is changed then). For a model an engine prepared
+// dtype; a missing name or a shape that differs is a zeal::Error naming it (nothing is changed then),
+// but for buffers marked non-persistent (engine/buffers.h: read where the files hold them in the
+// model's shape, else skipped). For a model an engine prepared
 // with its optimizer, or a module inside one (its names relative to that module; a parameter tied
 // to one outside it is loaded too), every rank calls it (collective) and reads only the elements it holds (its shards under stage 3), and the fp32
 // master weights take the values too; the optimizer's state stays. Returns the number of tensors
@@ -135,18 +137,22 @@ struct PretrainedOptions {
   // Tensors the file stores in another form: the model's tensor (by its Hugging Face-style name,
   // zeal::Sharded's "block" level left out) as a function of the file's tensors, each read whole by
   // its name. zeal::transposed, zeal::split_part and zeal::concatenated make the usual ones (GPT-2's
-  // Conv1D weights are stored [in, out]; fused or split QKV). The results are written to a
-  // temporary file (under TMPDIR) and read from there as the file's own tensors are.
+  // Conv1D weights are stored [in, out]; fused or split QKV). Each result is written to a temporary
+  // file of its own as it is made (under TMPDIR, on disk: together they hold every transformed
+  // tensor) and read from there as the file's own tensors are: the load holds one transform's
+  // inputs and result at a time.
   using TensorSource = std::function<at::Tensor(const std::function<at::Tensor(const std::string&)>& read)>;
   std::map<std::string, TensorSource> transforms;
-  // Every parameter must come from the file (default: parameters the file lacks keep their values
-  // and are listed, as transformers' "Some weights ... were not initialized" does).
+  // Every parameter and persistent buffer must come from the file (default: those the file lacks
+  // keep their values and are listed, as transformers' "Some weights ... were not initialized"
+  // does; buffers marked non-persistent, engine/buffers.h, are read only where the file has them in
+  // the model's shape).
   bool strict = false;
   bool quiet = false;  // no warning lines on the main process
 };
 struct PretrainedReport {
   int64_t loaded = 0;                // tensors read (parameters once, and buffers)
-  std::vector<std::string> missing;  // model parameters the file does not have
+  std::vector<std::string> missing;  // model parameters and persistent buffers the file does not have
   std::vector<std::string> unused;   // file tensors no parameter or buffer took
   std::string model_prefix, file_prefix;  // the prefix dropped from model names / added for the file
 };
@@ -417,6 +423,10 @@ class Engine {
   int num_processes() const;
   int process_index() const;
   int local_process_index() const;
+  // The model's buffers take rank 0's values on every rank (collective; nothing where
+  // broadcast_buffers is false or on one rank). The engine calls it after every optimizer step; a
+  // program whose forwards between steps read buffers calls it where it needs them in step.
+  void sync_buffers();
   void wait_for_everyone();
   // The main process runs the guarded block first, the others after it is done.
   class [[nodiscard]] MainProcessFirst {
@@ -569,8 +579,6 @@ class Engine {
   void open_trackers(const std::string& project_name, const std::map<std::string, std::string>& config);
   void say_gradient_dtypes(int world) const;
   void report_progress(const std::vector<double>& lrs);
-  // broadcast_buffers: the model's buffers take rank 0's values (collective).
-  void sync_buffers();
   void begin_micro_step();
   void scheduler_step(int index);
   double scheduler_last_lr(int index) const;

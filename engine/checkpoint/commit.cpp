@@ -11,6 +11,7 @@
 #include "engine/checkpoint/fault_hooks.h"
 #include "engine/error.h"
 #include "engine/output.h"
+#include "offload/crc32c.h"
 
 namespace zeal::ckpt {
 
@@ -58,6 +59,8 @@ std::vector<fs::path> complete_checkpoint(const fs::path& dir, const fs::path& t
   m["files"] = files;
   m["pieces"] = pieces;
   m["custom_objects"] = custom.size();
+  m["custom_crc32c"] = json::array();  // each object's bytes, checked by load_state before anything changes
+  for (const auto& c : custom) m["custom_crc32c"].push_back(offload::crc32c(c.data(), c.size()));
   for (size_t k = 0; k < custom.size(); ++k) write_file_synced(tmp / fmt::format("custom_{}.bin", k), custom[k]);
   write_file_synced(tmp / "manifest.json", m.dump(1));
   fsync_path(tmp.string());

@@ -38,6 +38,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "engine/buffers.h"
 #include "engine/checkpoint/commit.h"
 #include "engine/host_cache.h"
 #include "engine/checkpoint/consolidate.h"
@@ -204,7 +205,9 @@ std::string Engine::save_state(const std::string& dir_arg, const SaveOptions& op
     // The model's buffers, whole, from rank 0 (every rank's are rank 0's with broadcast_buffers).
     const size_t first_buffer = plan.ranges.size();
     if (rank == 0) {
+      const auto transient = non_persistent_buffers(*state_->module);
       for (const auto& item : state_->module->named_buffers(true)) {
+        if (transient.count(item.key())) continue;
         const at::Tensor& b = item.value();
         plan.ranges.push_back({item.key(), b.sizes().vec(), 0, b.numel(), b.detach().reshape({-1})});
       }
@@ -383,7 +386,14 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   std::vector<ckpt::CheckedReader::Read> reads;  // out = null: checked, then streamed
   std::vector<std::pair<size_t, int64_t>> read_to;  // each read's item and first element in its range
   std::unique_ptr<ckpt::CheckedReader> reader;
-  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // the model's, read
+  // The model's buffers: checked in pass one with the rest, streamed into place in pass two (a
+  // non-contiguous one through a contiguous copy, put back after).
+  std::vector<zero::StateRange> buffer_ranges;
+  std::vector<LoadItem> buffer_items;
+  std::vector<ckpt::CheckedReader::Read> buffer_reads;
+  std::vector<std::pair<size_t, int64_t>> buffer_to;
+  // (buffer or frozen parameter not contiguous, the contiguous copy the load writes): put back after.
+  std::vector<std::pair<at::Tensor, at::Tensor>> copied_back;
   std::vector<std::unique_ptr<char[]>> kept;  // each read's bytes, when they fit the budget
   // Reads put in place as pass one checks them (optimizer state still at its zeros), what applies
   // them, and the steps whose state it wrote: they go back to zeros unless the load goes on to apply
@@ -406,6 +416,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   } zero_again;
   std::vector<std::pair<std::string, at::Tensor>> frozen_whole;  // stages 0-2
   std::vector<std::string> custom;                                 // register_for_checkpointing
+  std::vector<std::pair<std::string, at::Tensor>> rng;  // this rank's generators' saved states, checked
   json m;
   std::map<std::string, ckpt::SavedFile> files_;
   std::string error;
@@ -460,11 +471,20 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
       std::ifstream f(dir / fmt::format("custom_{}.bin", k), std::ios::binary);
       if (!f) throw Error(fmt::format("{} is missing", (dir / fmt::format("custom_{}.bin", k)).string()));
       custom.emplace_back((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      if (m.contains("custom_crc32c") && k < m["custom_crc32c"].size() &&
+          offload::crc32c(custom.back().data(), custom.back().size()) != m["custom_crc32c"][k].get<uint32_t>()) {
+        throw Error(fmt::format("{} does not match its CRC32C in the manifest (corrupted or changed)",
+                                (dir / fmt::format("custom_{}.bin", k)).string()));
+      }
     }
     ranges = z.state_ranges(/*to_write=*/false);
     if (z.stage() < 3) {
       frozen_whole = frozen_params(*state_->module);
-      for (auto& [name, p] : frozen_whole) ranges.push_back({name, p.sizes().vec(), 0, p.numel(), p.detach().reshape({-1})});
+      for (auto& [name, p] : frozen_whole) {
+        at::Tensor values = p.detach();
+        if (!values.is_contiguous()) copied_back.push_back({p, values = values.contiguous()});
+        ranges.push_back({name, p.sizes().vec(), 0, p.numel(), values.view({-1})});
+      }
     }
     for (const auto& r : ranges) {
       const auto sh = shapes.find(r.name);
@@ -503,10 +523,11 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
         }
       }
     }
-    // The model's buffers: whole (rank 0's when saved), read and kept now (they are small).
-    std::vector<ckpt::CheckedReader::Read> buffer_reads;
+    // The model's buffers: whole (rank 0's when saved).
     if (m.value("version", 1) >= 2) {
+      const auto transient = non_persistent_buffers(*state_->module);
       for (const auto& item : state_->module->named_buffers(true)) {
+        if (transient.count(item.key())) continue;  // the model's own values
         const at::Tensor& b = item.value();
         auto pit = by.find({"buffer", item.key()});
         if (pit == by.end()) throw Error(fmt::format("the checkpoint has no buffer '{}'", item.key()));
@@ -515,14 +536,38 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
                                   json(shapes.at(item.key())).dump(), json(b.sizes().vec()).dump()));
         }
         const ckpt::SavedPiece& p = pit->second.front();
-        at::Tensor host = at::empty({b.numel()}, at::TensorOptions().dtype(at_dtype(p.dtype)));
-        buffer_reads.push_back({dir / p.file, &files.at(p.file), p.offset, static_cast<int64_t>(host.nbytes()),
-                                static_cast<char*>(host.data_ptr())});
-        buffers.push_back({b, host});
+        const int64_t es = ckpt::dtype_size(p.dtype);
+        (void)at_dtype(p.dtype);  // one zeal reads, or the error names it now
+        at::Tensor values = b;
+        if (!b.is_contiguous()) {
+          values = b.contiguous();
+          copied_back.push_back({b, values});
+        }
+        buffer_ranges.push_back({item.key(), b.sizes().vec(), 0, b.numel(), values.view({-1})});
+        buffer_reads.push_back({dir / p.file, &files.at(p.file), p.offset, b.numel() * es, nullptr, /*cached=*/true});
+      }
+      for (size_t i = 0; i < buffer_ranges.size(); ++i) {
+        const ckpt::SavedPiece& p = by.at({"buffer", buffer_ranges[i].name}).front();
+        buffer_items.push_back({&buffer_ranges[i], "param", p.dtype, ckpt::dtype_size(p.dtype)});
+        buffer_to.push_back({i, 0});
       }
     } else if (!state_->module->buffers(true).empty()) {
       log::warning("load_state: {} was saved without the model's buffers (format version 1): they keep their values",
                    dir.string());
+    }
+    // Random number generators: each rank its own, when the world size is the one that saved them;
+    // read and checked now, with everything else, and set once the rest is applied.
+    if (m["world_size"].get<int>() == c.world_size()) {
+      const std::string file = fmt::format("rank{}.safetensors", c.rank());
+      const auto header = ckpt::read_safetensors_header((dir / file).string());
+      for (const std::string key : {"rng/cpu", "rng/cuda"}) {
+        const auto it = header.tensors.find(key);
+        if (it == header.tensors.end()) continue;
+        if (key == "rng/cuda" && !device_.is_cuda()) continue;
+        at::Tensor t = at::empty({it->second.bytes}, at::kByte);
+        ckpt::read_checked(dir / file, files.at(file), it->second.offset, it->second.bytes, static_cast<char*>(t.data_ptr()));
+        rng.push_back({key, t});
+      }
     }
     // What fits the budget is kept from the check to the apply (each byte read once).
     int64_t total = 0;
@@ -603,6 +648,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   std::string reread;
   GroupWalk walk(z, /*changed=*/true);
   StreamApplier apply(items, read_to, &walk);  // apply.applied(): whether pass two changed anything
+  bool buffer_put = false;                     // ... or a buffer
   try {
     c10::NoGradGuard no_grad;
     if (read_once) {
@@ -624,14 +670,33 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     apply.flush();
     walk.close();
     kept.clear();
-    for (auto& [b, host] : buffers) b.copy_(host.view(b.sizes()));
+    if (!buffer_reads.empty()) {
+      // Through the first pass's reader where it is still there, else one whose spans are no
+      // larger than the largest buffer needs.
+      StreamApplier put(buffer_items, buffer_to, /*walk=*/nullptr);
+      const auto sink = [&](size_t i, int64_t at, const char* p, int64_t n) {
+        buffer_put = true;
+        put.take(i, at, p, n);
+      };
+      if (!reader) {
+        int64_t largest = 0;
+        for (const auto& r : buffer_reads) largest = std::max(largest, r.n);
+        const int64_t span = std::clamp<int64_t>((largest + ckpt::kCrcBlock - 1) / ckpt::kCrcBlock * ckpt::kCrcBlock,
+                                                 ckpt::kCrcBlock, 32 << 20);
+        reader = std::make_unique<ckpt::CheckedReader>(span, /*direct=*/false);
+      }
+      reader->read_many(buffer_reads, sink);
+      put.flush();
+    }
+    reader.reset();
+    for (auto& [t, values] : copied_back) t.detach().copy_(values);
     for (zero::ShardStep* s : z.steps()) s->optimizer().set_steps(m["optimizer_steps"].get<int64_t>());
   } catch (const std::exception& e) {
     reread = e.what();
   }
   z.end_state_access(/*changed=*/true);
   if (const std::string failed_again = agreed_failures(*this, reread); !failed_again.empty()) {
-    const auto said = all_strings(*this, apply.applied() ? "1" : "0");
+    const auto said = all_strings(*this, apply.applied() || buffer_put ? "1" : "0");
     if (std::find(said.begin(), said.end(), "1") == said.end()) {
       zero_again.now();  // pass one's state in place (if any) was the only change: zeros again
       throw Error(fmt::format("load_state: {}: the checkpoint was checked, then failed when read again to be applied "
@@ -657,14 +722,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   // Random number generators: each rank its own, when the world size is the one that saved them.
   const int saved_world = m["world_size"].get<int>();
   if (saved_world == c.world_size()) {
-    const std::string file = fmt::format("rank{}.safetensors", c.rank());
-    const auto header = ckpt::read_safetensors_header((dir / file).string());
-    for (const std::string key : {"rng/cpu", "rng/cuda"}) {
-      const auto it = header.tensors.find(key);
-      if (it == header.tensors.end()) continue;
-      if (key == "rng/cuda" && !device_.is_cuda()) continue;
-      at::Tensor t = at::empty({it->second.bytes}, at::kByte);
-      ckpt::read_checked(dir / file, files_.at(file), it->second.offset, it->second.bytes, static_cast<char*>(t.data_ptr()));
+    for (const auto& [key, t] : rng) {
       at::Generator g = key == "rng/cpu" ? at::detail::getDefaultCPUGenerator()
                                          : at::globalContext().defaultGenerator(device_);  // a handle
       std::lock_guard<std::mutex> lock(g.mutex());

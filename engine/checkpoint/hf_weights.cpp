@@ -5,6 +5,7 @@
 #include "engine/checkpoint/hf_weights.h"
 
 #include <fcntl.h>
+#include <cstdlib>
 #include <unistd.h>
 
 #include <cerrno>
@@ -21,11 +22,13 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
+#include "engine/buffers.h"
 #include "engine/checkpoint/safetensors.h"
 #include "engine/checkpoint/state_stream.h"
 #include "engine/checkpoint/tensor_dtype.h"
 #include "engine/engine_state.h"
 #include "engine/error.h"
+#include "engine/log.h"
 #include "engine/peft/lora.h"
 #include "engine/peft/slots.h"
 
@@ -135,6 +138,35 @@ struct HfWeights {
     }
     return {dir / w->second, e->second};
   }
+  // Whether buffer `name` in the files (`b` in the model) is read: a
+  // persistent one must be there in the model's shape (entry() then says what is wrong); a
+  // non-persistent one (zeal::register_buffer) is read where the files hold it in that shape, else
+  // skipped, with a note where the shape differs.
+  bool buffer_read(const std::string& name, const at::Tensor& b, bool persistent) {
+    if (persistent) {
+      if (!has(name)) {
+        throw Error(fmt::format("{} has no tensor '{}', a buffer of the model (a buffer the model computes itself, "
+                                "as a mask or rotary frequencies, can be marked non-persistent: "
+                                "zeal::register_buffer(module, name, tensor, false))",
+                                dir.string(), name));
+      }
+      return true;
+    }
+    auto w = where.find(name);
+    if (w == where.end()) return false;
+    if (!headers.count(w->second)) headers[w->second] = ckpt::read_safetensors_header((dir / w->second).string());
+    auto e = headers[w->second].tensors.find(name);
+    if (e == headers[w->second].tensors.end()) return false;
+    if (e->second.shape != b.sizes().vec()) {
+      const char* rank = std::getenv("RANK");  // the main process says it (each rank skips it)
+      if (!rank || std::string(rank) == "0") {
+        log::info("'{}' is {} in {} and {} in the model, which marks it non-persistent: skipped, the model's kept",
+                  name, json(e->second.shape).dump(), w->second, json(b.sizes().vec()).dump());
+      }
+      return false;
+    }
+    return true;
+  }
 };
 
 // Elements [begin, begin + count) of a tensor in a safetensors file, in the file's dtype.
@@ -155,6 +187,42 @@ at::Tensor read_elements(const fs::path& file, const ckpt::TensorEntry& e, int64
   }
   ::close(fd);
   return t;
+}
+
+// The model's buffers, each tensor once: under the first of its names whose file name (`map`) the
+// files hold, else under its first name (a buffer shared under two names, which an export wrote once).
+std::vector<std::pair<std::string, at::Tensor>> buffers_once(const torch::nn::Module& model, const HfWeights& w,
+                                                             const std::function<std::string(const std::string&)>& map) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_map<const void*, size_t> at;  // tensor → its entry in `out`
+  for (const auto& item : model.named_buffers(true)) {
+    auto [it, fresh] = at.emplace(item.value().unsafeGetTensorImpl(), out.size());
+    if (fresh) {
+      out.push_back({item.key(), item.value()});
+      continue;
+    }
+    std::string& chosen = out[it->second].first;
+    const std::string f = map(chosen);
+    if ((f.empty() || !w.has(f)) && w.has(map(item.key()))) chosen = item.key();
+  }
+  return out;
+}
+
+// Elements [begin, begin + count) of a tensor in a safetensors file copied into `dst` (count
+// elements, any dtype and device) 8 MiB at a time.
+void read_into(const fs::path& file, const ckpt::TensorEntry& e, int64_t begin, int64_t count, const at::Tensor& dst) {
+  if (!dst.is_contiguous()) {  // a view whose elements are not its storage's in order: through one copy
+    at::Tensor whole = at::empty({count}, dst.options());
+    read_into(file, e, begin, count, whole);
+    dst.copy_(whole.view(dst.sizes()));
+    return;
+  }
+  const at::Tensor flat = dst.view({-1});
+  const int64_t chunk = std::max<int64_t>(1, (8 << 20) / ckpt::dtype_size(e.dtype));
+  for (int64_t at = 0; at < count; at += chunk) {
+    const int64_t n = std::min(chunk, count - at);
+    flat.narrow(0, at, n).copy_(read_elements(file, e, begin + at, n));
+  }
 }
 
 // Which engine prepared a module (load_checkpoint_in_model then loads its shards).
@@ -227,11 +295,11 @@ int64_t load_mapped(torch::nn::Module& model, const std::string& path,
     std::string f = map(item.key());
     if (!f.empty()) targets.push_back({item.key(), std::move(f), item.value()});
   }
-  for (const auto& item : model.named_buffers(true)) {
-    std::string f = map(item.key());
-    if (!f.empty() && w.has(f) && seen.insert(item.value().unsafeGetTensorImpl()).second) {
-      targets.push_back({item.key(), std::move(f), item.value()});
-    }
+  const auto transient = non_persistent_buffers(model);
+  for (const auto& [key, b] : buffers_once(model, w, map)) {
+    std::string f = map(key);
+    if (f.empty() || !w.buffer_read(f, b, !transient.count(key))) continue;
+    if (seen.insert(b.unsafeGetTensorImpl()).second) targets.push_back({key, std::move(f), b});
   }
   // Every name and shape first: nothing changes when one is wrong (the headers' check also says
   // every tensor lies inside its file).
@@ -239,7 +307,7 @@ int64_t load_mapped(torch::nn::Module& model, const std::string& path,
   c10::NoGradGuard no_grad;
   for (const auto& t : targets) {
     const auto [file, e] = w.entry(t.file_name, t.t.sizes().vec(), t.name);
-    t.t.copy_(read_elements(file, e, 0, t.t.numel()).view(t.t.sizes()));
+    read_into(file, e, 0, t.t.numel(), t.t);
   }
   return static_cast<int64_t>(targets.size());
 }
@@ -295,11 +363,20 @@ int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string
     // Built by engine.init and not prepared yet: each partitioned parameter's slice is read
     // (elements [rank·per, rank·per + per) of it), the rest whole. Collective.
     if (!state_->init_shards || state_->init_shards->empty()) return -1;
-    std::vector<std::pair<at::Tensor, at::Tensor>> reads;  // destination, read
+    // Pass one checks every name and shape (and that the files hold the bytes: the headers' check);
+    // the ranks agree; pass two reads each destination's elements 8 MiB at a time into it.
+    struct Planned {
+      at::Tensor dst;  // count elements
+      fs::path file;
+      ckpt::TensorEntry e;
+      int64_t begin, count;
+    };
+    std::vector<Planned> reads;
     std::string error;
     int64_t n = 0;
     try {
       HfWeights w{fs::path(path)};
+      const auto transient = non_persistent_buffers(model);
       std::unordered_set<const void*> seen;
       // The rank the slices were cut for: its place among the ranks the state is sharded over (with
       // hybrid_shard, its machine's).
@@ -314,25 +391,38 @@ int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string
           const int64_t per = slice->data.numel();
           const int64_t begin = std::min<int64_t>(rank * per, slice->numel);
           const int64_t count = std::min<int64_t>(per, slice->numel - begin);
-          if (count > 0) reads.push_back({slice->data.narrow(0, 0, count), read_elements(file, e, begin, count)});
+          if (count > 0) reads.push_back({slice->data.narrow(0, 0, count), file, e, begin, count});
         } else {
-          reads.push_back({item.value(), read_elements(file, e, 0, item.value().numel()).view(item.value().sizes())});
+          reads.push_back({item.value(), file, e, 0, item.value().numel()});
         }
       }
-      for (const auto& item : model.named_buffers(true)) {
-        const std::string f = map(item.key());
-        if (f.empty() || !w.has(f) || !seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
-        const auto [file, e] = w.entry(f, item.value().sizes().vec(), item.key());
-        reads.push_back({item.value(), read_elements(file, e, 0, item.value().numel()).view(item.value().sizes())});
+      for (const auto& [key, b] : buffers_once(model, w, map)) {
+        const std::string f = map(key);
+        if (f.empty() || !w.buffer_read(f, b, !transient.count(key)) || !seen.insert(b.unsafeGetTensorImpl()).second) {
+          continue;
+        }
+        const auto [file, e] = w.entry(f, b.sizes().vec(), key);
+        reads.push_back({b, file, e, 0, b.numel()});
         ++n;
       }
+      for (const auto& r : reads) (void)at_dtype(r.e.dtype);  // one zeal can read, or the error names it now
     } catch (const std::exception& e) {
       error = e.what();
     }
     const std::string failed = agreed_failures(*this, error);
     if (!failed.empty()) throw Error(fmt::format("{}: nothing was changed:{}", path, failed));
-    c10::NoGradGuard no_grad;
-    for (auto& [dst, src] : reads) dst.copy_(src);
+    std::string reread;
+    try {
+      c10::NoGradGuard no_grad;
+      for (const auto& r : reads) read_into(r.file, r.e, r.begin, r.count, r.dst);
+    } catch (const std::exception& e) {
+      reread = e.what();
+    }
+    if (const std::string again = agreed_failures(*this, reread); !again.empty()) {
+      throw Error(fmt::format("{}: the weights were checked, then failed when read to be applied: the model is now "
+                              "partly loaded; load weights again before training:{}",
+                              path, again));
+    }
     return n;
   }
   wait_for_save();
@@ -342,7 +432,8 @@ int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string
   // their places (stage-3 shards on disk a unit at a time), so the load holds no copy of the model.
   std::vector<zero::StateRange> ranges;
   std::vector<std::tuple<const zero::StateRange*, fs::path, ckpt::TensorEntry>> planned;
-  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // model's, read (small: read in pass one)
+  std::vector<std::tuple<at::Tensor, fs::path, ckpt::TensorEntry>> buffers;  // the model's, read in pass two
+  std::vector<std::pair<at::Tensor, at::Tensor>> copied_back;  // (frozen parameter not contiguous, its copy)
   std::string error;
   try {
     z.begin_state_access();
@@ -350,7 +441,9 @@ int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string
     ranges = z.state_ranges(/*to_write=*/false);
     if (z.stage() < 3) {
       for (auto& [name, p] : frozen_params(*state_->module)) {
-        ranges.push_back({name, p.sizes().vec(), 0, p.numel(), p.detach().reshape({-1})});
+        at::Tensor values = p.detach();
+        if (!values.is_contiguous()) copied_back.push_back({p, values = values.contiguous()});
+        ranges.push_back({name, p.sizes().vec(), 0, p.numel(), values.view({-1})});
       }
     }
     for (const auto& r : ranges) {
@@ -360,11 +453,13 @@ int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string
       (void)at_dtype(e.dtype);  // one zeal can read, or the error names it now
       planned.emplace_back(&r, std::move(file), std::move(e));
     }
-    for (const auto& item : state_->module->named_buffers(true)) {
-      const std::string f = map(item.key());
-      if (f.empty() || !w.has(f)) continue;
-      const auto [file, e] = w.entry(f, item.value().sizes().vec(), item.key());
-      buffers.push_back({item.value(), read_elements(file, e, 0, item.value().numel()).view(item.value().sizes())});
+    const auto transient = non_persistent_buffers(*state_->module);
+    for (const auto& [key, b] : buffers_once(*state_->module, w, map)) {
+      const std::string f = map(key);
+      if (f.empty() || !w.buffer_read(f, b, !transient.count(key))) continue;
+      auto [file, e] = w.entry(f, b.sizes().vec(), key);
+      (void)at_dtype(e.dtype);
+      buffers.emplace_back(b, std::move(file), std::move(e));
     }
   } catch (const std::exception& e) {
     error = e.what();
@@ -387,7 +482,8 @@ int64_t Engine::load_weights_sharded(torch::nn::Module& model, const std::string
       }
     }
     walk.close();
-    for (auto& [b, src] : buffers) b.copy_(src);
+    for (const auto& [b, file, e] : buffers) read_into(file, e, 0, b.numel(), b);
+    for (auto& [t, values] : copied_back) t.detach().copy_(values);
   } catch (const std::exception& e) {
     reread = e.what();
   }

@@ -55,30 +55,31 @@ StagedWeights::StagedWeights(const std::string& path, const std::vector<Transfor
   dir_ = (fs::temp_directory_path() / fmt::format("zeal-pretrained-{}-{}", ::getpid(), counter++)).string();
   fs::create_directories(dir_);
   try {
-    // Every transformed tensor first (whole), checked to be a tensor zeal writes.
+    // One transform at a time, its result written to a file of its own and let go: the load holds
+    // one transform's inputs and result, never all of them.
     auto read = [&](const std::string& name) {
       read_.insert(name);
       return detail::read_tensor(path, name);
     };
-    std::vector<at::Tensor> tensors;
-    std::vector<TensorEntry> entries;
-    for (const auto& t : transformed) {
+    nlohmann::json index;
+    for (const auto& [name, file] : detail::tensor_files(path)) index["weight_map"][name] = file;
+    for (size_t i = 0; i < transformed.size(); ++i) {
+      const Transformed& t = transformed[i];
       at::Tensor x;
       try {
         x = t.source(read).detach().to(at::kCPU).contiguous();
       } catch (const std::exception& e) {
         throw Error(fmt::format("the transform of '{}': {}", t.model_name, without_backtrace(e.what())));
       }
-      entries.push_back({t.staged_name, safetensors_dtype(x.scalar_type()), x.sizes().vec(),
-                         x.numel() * static_cast<int64_t>(x.element_size()), 0});
-      tensors.push_back(x);
+      const std::string file = fmt::format("transformed-{}.safetensors", i);
+      SafetensorsWriter w((fs::path(dir_) / file).string(),
+                          {{t.staged_name, safetensors_dtype(x.scalar_type()), x.sizes().vec(),
+                            x.numel() * static_cast<int64_t>(x.element_size()), 0}},
+                          {{"format", "pt"}}, {}, 1 << 20, 4 << 20);  // 4 MiB of staging: files come one by one
+      w.append(x.data_ptr(), x.nbytes());
+      w.finish();
+      index["weight_map"][t.staged_name] = file;
     }
-    SafetensorsWriter w((fs::path(dir_) / "transformed.safetensors").string(), entries, {{"format", "pt"}});
-    for (const auto& x : tensors) w.append(x.data_ptr(), x.nbytes());
-    w.finish();
-    nlohmann::json index;
-    for (const auto& [name, file] : detail::tensor_files(path)) index["weight_map"][name] = file;
-    for (const auto& t : transformed) index["weight_map"][t.staged_name] = "transformed.safetensors";
     write_file_whole((fs::path(dir_) / "model.safetensors.index.json").string(), index.dump(), "the transforms' index");
   } catch (...) {
     std::error_code ec;

@@ -1,5 +1,6 @@
-// zeal::load_pretrained's tensor transforms: the transformed tensors computed from the file's, written
-// to a temporary safetensors file beside an index that points every other name at its own file, so
+// zeal::load_pretrained's tensor transforms: the transformed tensors computed from the file's, one at
+// a time, each written to a temporary safetensors file of its own beside an index that points every
+// other name at its own file, so
 // the ordinary loading paths (whole, engine.init's slices, a prepared model's shards) read them.
 #pragma once
 

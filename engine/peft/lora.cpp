@@ -30,6 +30,7 @@
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 
+#include "engine/buffers.h"
 #include "engine/checkpoint/consolidate.h"
 #include "engine/checkpoint/safetensors.h"
 #include "engine/checkpoint/tensor_dtype.h"
@@ -824,8 +825,9 @@ int64_t PeftModel::save_merged(const std::string& dir, Engine* engine) const {
     }
     items.push_back({path, item.value(), unit_of(item.key())});
   }
+  const auto transient = non_persistent_buffers(*model_);  // not the model's state (PyTorch's state_dict)
   for (const auto& item : model_->named_buffers(true)) {
-    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    if (transient.count(item.key()) || !seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
     items.push_back({hf(item.key()), item.value(), "~buffers", false});
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.unit < b.unit; });
@@ -959,6 +961,7 @@ PretrainedReport load_pretrained(torch::nn::Module& model, const std::string& pa
   report.file_prefix = best.second;
   std::unordered_map<std::string, std::string> map;
   std::unordered_set<std::string> taken;
+  const auto transient = non_persistent_buffers(model);
   // Tensors the file stores in another form (options.transforms, by the model's name).
   std::vector<ckpt::Transformed> transformed;
   std::unordered_set<std::string> model_names;
@@ -989,7 +992,7 @@ PretrainedReport load_pretrained(torch::nn::Module& model, const std::string& pa
     if (!f.empty() && in_file.count(f)) {
       map[n.model_name] = f;
       taken.insert(f);
-    } else if (n.param) {
+    } else if (n.param || !transient.count(n.model_name)) {  // a persistent buffer is the model's state too
       report.missing.push_back(n.hf_name);
     }
   }
@@ -1003,7 +1006,9 @@ PretrainedReport load_pretrained(torch::nn::Module& model, const std::string& pa
                             path, fmt::join(some_model, ", "), fmt::join(some_file, ", ")));
   }
   if (options.strict && !report.missing.empty()) {
-    throw Error(fmt::format("load_pretrained: {} lacks {} of the model's parameters: {}{}; nothing was changed", path,
+    throw Error(fmt::format("load_pretrained: {} lacks {} of the model's parameters and persistent buffers: {}{}; nothing "
+                            "was changed (zeal::register_buffer(..., false) marks a buffer the model computes itself)",
+                            path,
                             report.missing.size(), fmt::join(report.missing.begin(), report.missing.begin() + std::min<size_t>(5, report.missing.size()), ", "),
                             report.missing.size() > 5 ? ", ..." : ""));
   }
@@ -1024,7 +1029,7 @@ PretrainedReport load_pretrained(torch::nn::Module& model, const std::string& pa
     throw Error(std::string("load_pretrained: ") + e.what());
   }
   if (!options.quiet && peft::main_process(nullptr) && !report.missing.empty()) {
-    log::warning("load_pretrained: {} parameters are not in {} and keep their initial values: {}{}",
+    log::warning("load_pretrained: {} parameters or buffers are not in {} and keep their initial values: {}{}",
                  report.missing.size(), path,
                  fmt::join(report.missing.begin(), report.missing.begin() + std::min<size_t>(8, report.missing.size()),
                            ", "),

@@ -1,7 +1,7 @@
 // The model's buffers (BatchNorm's running statistics, an EMA, a step counter): kept in step across
 // ranks by broadcast_buffers (each rank sees other data, so without it they drift apart); saved and
 // resumed with the checkpoint, so 3 steps + save + load + 3 steps give the bits of 6 steps in one
-// run (dropout on, stages 0-3, CPU and NVMe offload); written by save_model under the names the
+// run (dropout on, stages 0-3, CPU and NVMe offload, bf16); written by save_model under the names the
 // model's owner sees, and read back by load_checkpoint_in_model.
 #include <gtest/gtest.h>
 
@@ -92,6 +92,7 @@ void run(const RunSpec& s, const Phase& ph, bool broadcast = true) {
         Net net;
         torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
         auto [m, o] = engine.prepare(net, opt);
+        const auto mixed = engine.autocast();  // bf16: the inputs' products in bf16, as the weights are
         at::manual_seed(12 + rt.rank());  // each rank its own dropout stream
         // Two passes (nothing kept between the check and the apply): the path a state larger than
         // the memory budget takes; checkpoint_test's resumes take the other.
@@ -164,6 +165,10 @@ RunSpec cpu_offload(RunSpec s) {
   s.offload = true;
   return s;
 }
+RunSpec bf16(RunSpec s) {
+  s.precision = "bf16";
+  return s;
+}
 RunSpec nvme(RunSpec s) {
   s.nvme_path = s.param_nvme_path = "x";
   s.sub_group = 1000;
@@ -175,7 +180,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, BufferResume,
                                            BufferCase{"stage2", spec(2)}, BufferCase{"stage3", spec(3)},
                                            BufferCase{"stage2_cpu_offload", cpu_offload(spec(2))},
                                            BufferCase{"stage3_cpu_offload", cpu_offload(spec(3))},
-                                           BufferCase{"stage3_nvme", nvme(spec(3))}),
+                                           BufferCase{"stage3_nvme", nvme(spec(3))},
+                                           // The BatchNorms' running statistics in bf16 with their weights
+                                           BufferCase{"stage1_bf16", bf16(spec(1))},
+                                           BufferCase{"stage3_bf16", bf16(spec(3))}),
                          [](const ::testing::TestParamInfo<BufferCase>& i) { return i.param.label; });
 
 // save_model writes the buffers with the owner's names (no Sharded level), rank 0's values, and

@@ -8,12 +8,14 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
 #include <torch/optim/adamw.h>
 
+#include "engine/checkpoint/safetensors.h"
 #include "engine/memory_tracker.h"
 #include "tests/engine/engine_harness.h"
 
@@ -106,6 +108,88 @@ TEST(CheckpointMemory, SaveAndResumeOnNvmeHoldNoMoreThanTrainingPlusAWindow) {
   for (const auto& p : TinyGpt(mo)->parameters()) params += p.numel();
   EXPECT_GT(12.0 * params / 2, 3 * kWindowBytes);
   for (const auto& d : {ckpt, swap, out, weights}) fs::remove_all(d);
+}
+
+// Weights into a model engine.init built (stage 3, each rank holding its slices, not yet prepared):
+// load_checkpoint_in_model, and load_pretrained with a transform on every 2-D weight, each grow the
+// resident set by at most a few MiB of staging, one transform's inputs and result, and a margin —
+// not by this rank's slices (200 MiB here) nor by every transformed tensor (the whole model).
+TEST(CheckpointMemory, WeightsIntoAnInitModelStreamInsteadOfHoldingThem) {
+  TinyGptOptions mo;
+  mo.vocab = 64, mo.dim = 1024, mo.heads = 8, mo.layers = 8, mo.seq = 16, mo.hidden = 4096;
+  const std::string dir = temp_dir("ckpt_mem_init"), out = temp_dir("ckpt_mem_init_out");
+  // The weights, written from a plain model under its own names; the 2-D ones a second time,
+  // transposed, under other names (what a transform reads back).
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::map<std::string, std::string> transposed;  // model name → the name of its transposed copy
+  int64_t largest = 0;
+  {
+    seed(3);
+    TinyGpt plain(mo);
+    for (const auto& item : plain->named_parameters(true)) {
+      std::string name = item.key();  // as an export names it: zeal::Sharded's "block" level left out
+      if (const auto at = name.find(".block."); at != std::string::npos) name.erase(at, 6);
+      tensors.push_back({name, item.value().detach().contiguous()});
+      largest = std::max<int64_t>(largest, item.value().numel() * 4);
+      if (item.value().dim() == 2) {
+        transposed[name] = "t." + name;
+        tensors.push_back({"t." + name, item.value().detach().t().contiguous()});
+      }
+    }
+    std::vector<zeal::ckpt::TensorEntry> entries;
+    for (const auto& [n, t] : tensors) entries.push_back({n, "F32", t.sizes().vec(), static_cast<int64_t>(t.nbytes()), 0});
+    zeal::ckpt::SafetensorsWriter w(dir + "/model.safetensors", entries, {{"format", "pt"}});
+    for (const auto& [n, t] : tensors) w.append(t.data_ptr(), static_cast<int64_t>(t.nbytes()));
+    w.finish();
+  }
+  RunSpec s;
+  s.world = 2, s.stage = 3, s.init = true;
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(make_config(s), rt);
+        seed(4);
+        TinyGpt model = engine.init<TinyGpt>(mo);
+        std::vector<double> grown;
+        for (const bool transforms : {false, true}) {
+          const double before = static_cast<double>(zeal::detail::resident_bytes());
+          zeal::detail::reset_resident_peak();
+          if (transforms) {
+            zeal::PretrainedOptions o;
+            o.quiet = true;
+            for (const auto& [name, copy] : transposed) o.transforms[name] = zeal::transposed(copy);
+            zeal::load_pretrained(*model, dir, o);
+          } else {
+            zeal::load_checkpoint_in_model(*model, dir);
+          }
+          grown.push_back(static_cast<double>(zeal::detail::resident_peak_bytes()) - before);
+        }
+        // The values arrived: after prepare, every rank's model is the plain one.
+        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
+        auto [m, unused] = engine.prepare(model, opt);
+        (void)unused;
+        std::vector<at::Tensor> mine;
+        {
+          const auto whole = engine.gathered(m->parameters());
+          for (const auto& p : m->parameters()) mine.push_back(p.detach().reshape({-1}).to(at::kDouble));
+        }
+        write_tensor(fmt::format("{}/grown_{}", out, rt.rank()), at::tensor(grown, at::kDouble));
+        write_tensor(fmt::format("{}/params_{}", out, rt.rank()), at::cat(mine));
+      },
+      2);
+  ASSERT_EQ(zeal::describe_failures(results), "");
+  seed(3);
+  const at::Tensor want = flat_params(*TinyGpt(mo));
+  for (int r = 0; r < 2; ++r) {
+    const at::Tensor g = read_tensor(fmt::format("{}/grown_{}", out, r));
+    const double plain = g[0].item<double>(), with_transforms = g[1].item<double>();
+    std::printf("[ metric ] rank %d: load_checkpoint_in_model into an init model grows the resident set by %.0f MiB, "
+                "load_pretrained with transforms by %.0f MiB (largest tensor %.0f MiB)\n",
+                r, plain / (1 << 20), with_transforms / (1 << 20), largest / double(1 << 20));
+    EXPECT_LE(plain, 2 * 8.0 * (1 << 20) + kMarginBytes) << "rank " << r;
+    EXPECT_LE(with_transforms, 3.0 * largest + 2 * 8.0 * (1 << 20) + kMarginBytes) << "rank " << r;
+    EXPECT_TRUE(at::equal(read_tensor(fmt::format("{}/params_{}", out, r)), want)) << "rank " << r;
+  }
+  for (const auto& d : {dir, out}) fs::remove_all(d);
 }
 
 }  // namespace

@@ -33,6 +33,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 
+#include "engine/checkpoint/consolidate.h"
 #include "engine/checkpoint/manifest.h"
 #include "engine/checkpoint/safetensors.h"
 #include "engine/resident.h"
@@ -420,6 +421,51 @@ LinearBody save_load_save(const std::string& ckpt, const std::string& out) {
     e.save_state(out + "/after");
     std::ofstream(out + "/message_" + std::to_string(e.process_index())) << msg;
   };
+}
+
+// A rank's saved generator state or a registered object's bytes damaged: every rank refuses the
+// load before anything changes (both are checked in the first pass with the rest), naming the file.
+// (Here the generator's bytes share their CRC block with the optimizer state before them, which the
+// first pass always checked; the registered object, which had no CRC, is the half that was new.)
+TEST(CheckpointDamage, ADamagedGeneratorStateOrRegisteredObjectChangesNothingOnAnyRank) {
+  const std::string ckpt = temp_dir("ckpt_rng_damage"), out = temp_dir("ckpt_rng_damage_out");
+  const RunSpec s = spec(1, 2);
+  run_linear(s, [&](zeal::Engine& e, torch::nn::Module&, std::function<void()> step) {
+        auto counter = std::make_shared<Counter>();
+        e.register_for_checkpointing(counter);
+        counter->value = 17;
+        step();
+        e.save_state(ckpt);
+      },
+      {});
+  const auto try_load = [&](const std::string& damaged, int64_t at) {
+    const std::string good = file_bytes(damaged);
+    std::string bytes = good;
+    bytes[static_cast<size_t>(at)] ^= 0x01;
+    std::ofstream(damaged, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    run_linear(s, [&](zeal::Engine& e, torch::nn::Module& m, std::function<void()> step) {
+          auto counter = std::make_shared<Counter>();
+          e.register_for_checkpointing(counter);
+          save_load_save(ckpt, out)(e, m, step);
+          if (counter->value != 0) throw zeal::Error("a failed load changed the registered object");
+        },
+        {});
+    std::ofstream(damaged, std::ios::binary | std::ios::trunc).write(good.data(), static_cast<std::streamsize>(good.size()));
+    const std::string name = fs::path(damaged).filename().string();
+    for (int r = 0; r < 2; ++r) {
+      const std::string msg = file_bytes(out + "/message_" + std::to_string(r));
+      EXPECT_NE(msg.find("nothing was changed"), std::string::npos) << "rank " << r << ": " << msg;
+      EXPECT_NE(msg.find(name), std::string::npos) << "rank " << r << ": " << msg;
+      const std::string f = "/rank" + std::to_string(r) + ".safetensors";
+      EXPECT_TRUE(file_bytes(out + "/before" + f) == file_bytes(out + "/after" + f)) << "rank " << r << " changed";
+    }
+  };
+  const std::string rank1 = (fs::path(ckpt) / "rank1.safetensors").string();
+  const auto rng = zeal::ckpt::read_safetensors_header(rank1).tensors.at("rng/cpu");
+  try_load(rank1, rng.offset + rng.bytes / 2);
+  try_load((fs::path(ckpt) / "custom_0.bin").string(), 0);
+  fs::remove_all(ckpt);
+  fs::remove_all(out);
 }
 
 // A new engine's state put in place over several of the reader's spans (32 MiB each): the state it
@@ -1002,10 +1048,63 @@ TEST(CheckpointExport, ConsolidationHoldsLessThanTheModel) {
   std::printf("metric consolidate peak_rss %.0f MB (the CLI alone %.0f MB), model %.0f MB, ratio %.3f\n", peak / 1e6,
               idle / 1e6, model_bytes / 1e6, (peak - idle) / model_bytes);
   EXPECT_LT(peak - idle, 0.6 * model_bytes);
+  // Converted to bf16 and every weight transposed: still one parameter (64 MiB) and the buffers,
+  // never a converted or transposed copy of it beside it.
+  const std::string names = ckpt + "/names.json", dst16 = dst + "16";
+  {
+    nlohmann::json j;
+    for (int i = 0; i < 8; ++i) j[fmt::format("{}.weight", i)] = {{"name", fmt::format("t{}", i)}, {"transpose", true}};
+    std::ofstream(names) << j.dump();
+  }
+  const double peak16 = peak_of({"consolidate", ckpt, dst16, "--dtype", "bf16", "--names", names});
+  const double param = 4096.0 * 4096 * 4;
+  std::printf("metric consolidate bf16 transposed peak_rss %.0f MB (the CLI alone %.0f MB), largest parameter %.0f MB\n",
+              peak16 / 1e6, idle / 1e6, param / 1e6);
+  EXPECT_LT(peak16 - idle, param + 64.0 * (1 << 20));
+  fs::remove_all(dst16);
   EXPECT_EQ(static_cast<int64_t>(fs::file_size(fs::path(dst) / "model.safetensors")),
             model_bytes + static_cast<int64_t>(ckpt::read_safetensors_header((fs::path(dst) / "model.safetensors").string()).data_begin));
   fs::remove_all(ckpt);
   fs::remove_all(dst);
+}
+
+// An export converted (bf16) and transposed by name, of a weight larger than the 1 Mi elements the
+// conversion goes by and not square: the fp32 master, transposed, rounded to nearest even, byte for
+// byte (LibTorch's own transpose and cast as the reference).
+TEST(CheckpointExport, ATransposedConvertedExportIsTheMasterTransposedAndRounded) {
+  const std::string ckpt = temp_dir("ckpt_tconv"), out = temp_dir("ckpt_tconv_out");
+  auto results = zeal::spawn(
+      [&](zeal::Runtime& rt) {
+        zeal::Engine engine(make_config(spec(0, 1)), rt);
+        torch::manual_seed(9);
+        torch::nn::Linear lin(torch::nn::LinearOptions(1000, 1100).bias(false));  // [1100, 1000]
+        torch::optim::AdamW opt(lin->parameters(), torch::optim::AdamWOptions(1e-3));
+        auto [m, o] = engine.prepare(lin, opt);
+        engine.backward(m->forward(at::ones({2, 1000})).pow(2).mean());
+        o.step();
+        o.zero_grad();
+        engine.save_state(ckpt);
+      },
+      1);
+  ASSERT_EQ(zeal::describe_failures(results), "");
+  ckpt::consolidate(ckpt, out + "/plain", {});
+  ckpt::ConsolidateOptions o;
+  o.dtype = "bf16";
+  o.rename = {{"weight", {"weight_t", true}}};
+  ckpt::consolidate(ckpt, out + "/t", o);
+  auto tensor_of = [](const std::string& file, const std::string& name, at::ScalarType type) {
+    const auto h = ckpt::read_safetensors_header(file);
+    const auto& e = h.tensors.at(name);
+    const std::string bytes = file_bytes(file).substr(static_cast<size_t>(e.offset), static_cast<size_t>(e.bytes));
+    return at::from_blob(const_cast<char*>(bytes.data()), e.shape, at::TensorOptions().dtype(type)).clone();
+  };
+  const at::Tensor w = tensor_of(out + "/plain/model.safetensors", "weight", at::kFloat);
+  const at::Tensor t = tensor_of(out + "/t/model.safetensors", "weight_t", at::kBFloat16);
+  ASSERT_EQ(w.sizes(), (std::vector<int64_t>{1100, 1000}));
+  ASSERT_EQ(t.sizes(), (std::vector<int64_t>{1000, 1100}));
+  EXPECT_TRUE(at::equal(t, w.t().contiguous().to(at::kBFloat16)));
+  fs::remove_all(ckpt);
+  fs::remove_all(out);
 }
 
 // Python's safetensors (the peers' environment, or any python3 that has it) opens every rank's
