@@ -1,7 +1,8 @@
 // The model's buffers (BatchNorm's running statistics, an EMA, a step counter): kept in step across
 // ranks by broadcast_buffers (each rank sees other data, so without it they drift apart); saved and
 // resumed with the checkpoint, so 3 steps + save + load + 3 steps give the bits of 6 steps in one
-// run (dropout on, stages 0-3, CPU and NVMe offload, bf16); written by save_model under the names the
+// run (dropout on, stages 0-3, CPU and NVMe offload, bf16), and at another layout start from the saved
+// buffers and weights; written by save_model under the names the
 // model's owner sees, and read back by load_checkpoint_in_model.
 #include <gtest/gtest.h>
 
@@ -185,6 +186,40 @@ INSTANTIATE_TEST_SUITE_P(Cases, BufferResume,
                                            BufferCase{"stage1_bf16", bf16(spec(1))},
                                            BufferCase{"stage3_bf16", bf16(spec(3))}),
                          [](const ::testing::TestParamInfo<BufferCase>& i) { return i.param.label; });
+
+// At another layout (world size, stage, offload) a resume starts from the saved buffers and
+// weights bit for bit: evaluated on one batch, every rank of the resumed run gives the saving run's
+// outputs exactly, and holds its buffers. (Training on from there is not compared with a run that
+// never stopped: BatchNorm's statistics are each rank's own batch's, so a model with BatchNorm
+// trains differently at another world size, beyond any rounding, as it does in DDP without
+// SyncBatchNorm; the weights' own resume across layouts is checkpoint_test's Resume.)
+TEST(Buffers, AResumeAtAnotherLayoutStartsFromTheSavedBuffersAndWeights) {
+  struct Layouts {
+    const char* label;
+    RunSpec saved, resumed;
+  };
+  RunSpec world3 = spec(1), world1 = spec(0), stage3_world3 = cpu_offload(spec(3));
+  world3.world = 3, world1.world = 1, stage3_world3.world = 3;
+  for (const Layouts& l : {Layouts{"stage3_to_stage1_world3", spec(3), world3},
+                           Layouts{"stage3_nvme_to_stage0_world1", nvme(spec(3)), world1},
+                           Layouts{"stage2_offload_to_stage3_offload_world3", cpu_offload(spec(2)), stage3_world3}}) {
+    SCOPED_TRACE(l.label);
+    const std::string dir = temp_dir(std::string("buffers_layout_") + l.label), swap = dir + "/swap";
+    fs::create_directories(swap);
+    RunSpec saved = l.saved, resumed = l.resumed;
+    for (RunSpec* s : {&saved, &resumed}) {
+      if (!s->nvme_path.empty()) s->nvme_path = s->param_nvme_path = swap;
+    }
+    run(saved, {0, 3, "", dir + "/ckpt", dir + "/saved"});
+    run(resumed, {3, 3, dir + "/ckpt", "", dir + "/resumed"});
+    const at::Tensor want = read_tensor(dir + "/saved_0");
+    for (int r = 0; r < resumed.world; ++r) {
+      const at::Tensor got = read_tensor(fmt::format("{}/resumed_{}", dir, r));
+      EXPECT_TRUE(at::equal(got, want)) << "rank " << r << ": largest difference " << (got - want).abs().max().item<double>();
+    }
+    fs::remove_all(dir);
+  }
+}
 
 // save_model writes the buffers with the owner's names (no Sharded level), rank 0's values, and
 // load_checkpoint_in_model puts them into a fresh model.
