@@ -12,9 +12,8 @@ namespace zeal {
 namespace {
 
 // The buffers marked non-persistent, by their tensor: a mark belongs to the tensor registered (a
-// device move or a dtype cast keeps it; registering another tensor under the name drops it). The
-// weak reference keeps the address from being reused while the mark is held, and tells a dead
-// tensor's mark, dropped when met.
+// device move or a dtype cast, set_data, keeps it). The weak reference keeps the address from being
+// reused while the mark is held and tells a dead tensor's mark, dropped at the next marking.
 using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
 std::mutex& registry_mutex() {
@@ -27,17 +26,8 @@ std::unordered_map<const c10::TensorImpl*, Weak>& registry() {
   return r;
 }
 
-// Whether `t` is marked (under the lock).
-bool marked(const at::Tensor& t) {
-  auto& r = registry();
-  auto it = r.find(t.unsafeGetTensorImpl());
-  if (it == r.end()) return false;
-  if (it->second.expired()) {  // cannot be: `t` is alive at this address; kept for clarity
-    r.erase(it);
-    return false;
-  }
-  return true;
-}
+// Whether `t` is marked (under the lock): its address can be no other tensor's while a mark holds it.
+bool marked(const at::Tensor& t) { return registry().count(t.unsafeGetTensorImpl()) > 0; }
 
 at::Tensor own_buffer(const torch::nn::Module& module, const std::string& name, const char* what) {
   const auto own = module.named_buffers(/*recurse=*/false);

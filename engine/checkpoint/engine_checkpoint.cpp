@@ -386,12 +386,6 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   std::vector<ckpt::CheckedReader::Read> reads;  // out = null: checked, then streamed
   std::vector<std::pair<size_t, int64_t>> read_to;  // each read's item and first element in its range
   std::unique_ptr<ckpt::CheckedReader> reader;
-  // The model's buffers: checked in pass one with the rest, streamed into place in pass two (a
-  // non-contiguous one through a contiguous copy, put back after).
-  std::vector<zero::StateRange> buffer_ranges;
-  std::vector<LoadItem> buffer_items;
-  std::vector<ckpt::CheckedReader::Read> buffer_reads;
-  std::vector<std::pair<size_t, int64_t>> buffer_to;
   // (buffer or frozen parameter not contiguous, the contiguous copy the load writes): put back after.
   std::vector<std::pair<at::Tensor, at::Tensor>> copied_back;
   std::vector<std::unique_ptr<char[]>> kept;  // each read's bytes, when they fit the budget
@@ -478,25 +472,42 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
       }
     }
     ranges = z.state_ranges(/*to_write=*/false);
+    // Frozen parameters (stages 0-2) and the model's buffers (whole, rank 0's when saved) are ranges
+    // too: checked in pass one and put in place in pass two with the rest (one not contiguous
+    // through a contiguous copy, put back after).
+    const auto whole = [&](const std::string& name, const at::Tensor& t) {
+      at::Tensor values = t.detach();
+      if (!values.is_contiguous()) copied_back.push_back({t, values = values.contiguous()});
+      ranges.push_back({name, t.sizes().vec(), 0, t.numel(), values.view({-1})});
+    };
     if (z.stage() < 3) {
       frozen_whole = frozen_params(*state_->module);
-      for (auto& [name, p] : frozen_whole) {
-        at::Tensor values = p.detach();
-        if (!values.is_contiguous()) copied_back.push_back({p, values = values.contiguous()});
-        ranges.push_back({name, p.sizes().vec(), 0, p.numel(), values.view({-1})});
-      }
+      for (auto& [name, p] : frozen_whole) whole(name, p);
     }
-    for (const auto& r : ranges) {
+    const size_t first_buffer = ranges.size();
+    if (m.value("version", 1) >= 2) {
+      const auto transient = non_persistent_buffers(*state_->module);
+      for (const auto& item : state_->module->named_buffers(true)) {
+        if (!transient.count(item.key())) whole(item.key(), item.value());  // else the model's own values
+      }
+    } else if (!state_->module->buffers(true).empty()) {
+      log::warning("load_state: {} was saved without the model's buffers (format version 1): they keep their values",
+                   dir.string());
+    }
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      const zero::StateRange& r = ranges[i];
+      const bool buffer = i >= first_buffer;
+      const char* what = buffer ? "buffer" : "parameter";
       const auto sh = shapes.find(r.name);
-      if (sh == shapes.end()) {
-        if (!r.step) continue;  // a frozen parameter saved without frozen weights: it keeps its value
-        throw Error(fmt::format("the checkpoint has no parameter '{}'", r.name));
+      if (sh == shapes.end() || (buffer && !by.count({"buffer", r.name}))) {
+        if (!r.step && !buffer) continue;  // a frozen parameter saved without frozen weights: it keeps its value
+        throw Error(fmt::format("the checkpoint has no {} '{}'", what, r.name));
       }
       if (sh->second != r.shape) {
-        throw Error(fmt::format("parameter '{}' is {} in the checkpoint and {} in the model", r.name,
+        throw Error(fmt::format("{} '{}' is {} in the checkpoint and {} in the model", what, r.name,
                                 json(sh->second).dump(), json(r.shape).dump()));
       }
-      std::vector<std::string> kinds{r.step ? "master" : "param"};
+      std::vector<std::string> kinds{r.step ? "master" : buffer ? "buffer" : "param"};
       if (r.step)
         for (const auto& s : r.step->state_names()) kinds.push_back(s);
       for (const auto& k : kinds) {
@@ -522,38 +533,6 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
                                   r.count, k, r.name));
         }
       }
-    }
-    // The model's buffers: whole (rank 0's when saved).
-    if (m.value("version", 1) >= 2) {
-      const auto transient = non_persistent_buffers(*state_->module);
-      for (const auto& item : state_->module->named_buffers(true)) {
-        if (transient.count(item.key())) continue;  // the model's own values
-        const at::Tensor& b = item.value();
-        auto pit = by.find({"buffer", item.key()});
-        if (pit == by.end()) throw Error(fmt::format("the checkpoint has no buffer '{}'", item.key()));
-        if (shapes.at(item.key()) != b.sizes().vec()) {
-          throw Error(fmt::format("buffer '{}' is {} in the checkpoint and {} in the model", item.key(),
-                                  json(shapes.at(item.key())).dump(), json(b.sizes().vec()).dump()));
-        }
-        const ckpt::SavedPiece& p = pit->second.front();
-        const int64_t es = ckpt::dtype_size(p.dtype);
-        (void)at_dtype(p.dtype);  // one zeal reads, or the error names it now
-        at::Tensor values = b;
-        if (!b.is_contiguous()) {
-          values = b.contiguous();
-          copied_back.push_back({b, values});
-        }
-        buffer_ranges.push_back({item.key(), b.sizes().vec(), 0, b.numel(), values.view({-1})});
-        buffer_reads.push_back({dir / p.file, &files.at(p.file), p.offset, b.numel() * es, nullptr, /*cached=*/true});
-      }
-      for (size_t i = 0; i < buffer_ranges.size(); ++i) {
-        const ckpt::SavedPiece& p = by.at({"buffer", buffer_ranges[i].name}).front();
-        buffer_items.push_back({&buffer_ranges[i], "param", p.dtype, ckpt::dtype_size(p.dtype)});
-        buffer_to.push_back({i, 0});
-      }
-    } else if (!state_->module->buffers(true).empty()) {
-      log::warning("load_state: {} was saved without the model's buffers (format version 1): they keep their values",
-                   dir.string());
     }
     // Random number generators: each rank its own, when the world size is the one that saved them;
     // read and checked now, with everything else, and set once the rest is applied.
@@ -610,7 +589,6 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     // O_DIRECT, the resume as fast (docs/benchmarks.md, checkpoint_bench).
     for (size_t i = 0; i < reads.size(); ++i) reads[i].drop = !kept.empty() || in_place[i];
     reader = std::make_unique<ckpt::CheckedReader>(32 << 20, /*direct=*/false);
-    reader->read_many(buffer_reads);
     t_read = std::chrono::steady_clock::now();
     // Pass one: checked (and kept, within the budget; or put in place, see above).
     reader->read_many(reads, [&](size_t i, int64_t at, const char* p, int64_t n) {
@@ -648,7 +626,6 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   std::string reread;
   GroupWalk walk(z, /*changed=*/true);
   StreamApplier apply(items, read_to, &walk);  // apply.applied(): whether pass two changed anything
-  bool buffer_put = false;                     // ... or a buffer
   try {
     c10::NoGradGuard no_grad;
     if (read_once) {
@@ -670,25 +647,6 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
     apply.flush();
     walk.close();
     kept.clear();
-    if (!buffer_reads.empty()) {
-      // Through the first pass's reader where it is still there, else one whose spans are no
-      // larger than the largest buffer needs.
-      StreamApplier put(buffer_items, buffer_to, /*walk=*/nullptr);
-      const auto sink = [&](size_t i, int64_t at, const char* p, int64_t n) {
-        buffer_put = true;
-        put.take(i, at, p, n);
-      };
-      if (!reader) {
-        int64_t largest = 0;
-        for (const auto& r : buffer_reads) largest = std::max(largest, r.n);
-        const int64_t span = std::clamp<int64_t>((largest + ckpt::kCrcBlock - 1) / ckpt::kCrcBlock * ckpt::kCrcBlock,
-                                                 ckpt::kCrcBlock, 32 << 20);
-        reader = std::make_unique<ckpt::CheckedReader>(span, /*direct=*/false);
-      }
-      reader->read_many(buffer_reads, sink);
-      put.flush();
-    }
-    reader.reset();
     for (auto& [t, values] : copied_back) t.detach().copy_(values);
     for (zero::ShardStep* s : z.steps()) s->optimizer().set_steps(m["optimizer_steps"].get<int64_t>());
   } catch (const std::exception& e) {
@@ -696,7 +654,7 @@ void Engine::load_state(const std::string& dir_arg, const LoadStateOptions& opti
   }
   z.end_state_access(/*changed=*/true);
   if (const std::string failed_again = agreed_failures(*this, reread); !failed_again.empty()) {
-    const auto said = all_strings(*this, apply.applied() || buffer_put ? "1" : "0");
+    const auto said = all_strings(*this, apply.applied() ? "1" : "0");
     if (std::find(said.begin(), said.end(), "1") == said.end()) {
       zero_again.now();  // pass one's state in place (if any) was the only change: zeros again
       throw Error(fmt::format("load_state: {}: the checkpoint was checked, then failed when read again to be applied "

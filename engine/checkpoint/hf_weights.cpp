@@ -5,7 +5,6 @@
 #include "engine/checkpoint/hf_weights.h"
 
 #include <fcntl.h>
-#include <cstdlib>
 #include <unistd.h>
 
 #include <cerrno>
@@ -158,11 +157,8 @@ struct HfWeights {
     auto e = headers[w->second].tensors.find(name);
     if (e == headers[w->second].tensors.end()) return false;
     if (e->second.shape != b.sizes().vec()) {
-      const char* rank = std::getenv("RANK");  // the main process says it (each rank skips it)
-      if (!rank || std::string(rank) == "0") {
-        log::info("'{}' is {} in {} and {} in the model, which marks it non-persistent: skipped, the model's kept",
-                  name, json(e->second.shape).dump(), w->second, json(b.sizes().vec()).dump());
-      }
+      log::info("'{}' is {} in {} and {} in the model, which marks it non-persistent: skipped, the model's kept",
+                name, json(e->second.shape).dump(), w->second, json(b.sizes().vec()).dump());  // rank 0 says it
       return false;
     }
     return true;

@@ -84,7 +84,7 @@ json file_pieces(const FilePlan& plan, const SafetensorsWriter& w) {
 
 void put_elements(const zero::StateRange& r, const std::string& kind, int64_t first, const at::Tensor& src) {
   const int64_t n = src.numel();
-  if (kind == "param") {
+  if (kind == "param" || kind == "buffer") {  // frozen parameters and buffers: their own dtype
     r.values.narrow(0, first, n).copy_(src);
     return;
   }

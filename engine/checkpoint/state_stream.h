@@ -69,7 +69,7 @@ class GroupWalk {
 };
 
 // Elements [first, first + src.numel()) of range r's `kind` take src's values: a frozen parameter's
-// ("param") its values; a trainable one's master or optimizer state where the step keeps it, the
+// ("param") or a buffer's ("buffer") its values; a trainable one's master or optimizer state where the step keeps it, the
 // master's compute copy too (as a step writes it).
 void put_elements(const zero::StateRange& r, const std::string& kind, int64_t first, const at::Tensor& src);
 

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -211,6 +213,43 @@ TEST(NonPersistentBuffers, CheckpointsAndExportsLeaveThemOutAndResumeAtOtherShap
   Model fresh(9);
   zeal::load_checkpoint_in_model(*fresh, dir + "/export");
   EXPECT_TRUE(at::equal(fresh->ema.to(at::kDouble), read_tensor(dir + "/ema_4")));
+  // The mask made persistent: the checkpoint lacks it, and load_state names it on every rank; so it
+  // does the EMA saved as [8] for a model whose EMA is another shape.
+  auto refused = [&](const std::function<Model()>& make) {
+    std::vector<std::string> said(2);
+    auto results = zeal::spawn(
+        [&](zeal::Runtime& rt) {
+          zeal::Engine engine(make_config(s), rt);
+          Model net = make();
+          torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+          auto [m, o] = engine.prepare(net, opt);
+          std::string msg = "accepted";
+          try {
+            engine.load_state(dir + "/ckpt");
+          } catch (const zeal::Error& e) {
+            msg = e.what();
+          }
+          std::ofstream(fmt::format("{}/said_{}", dir, rt.rank())) << msg;
+        },
+        s.world);
+    EXPECT_EQ(zeal::describe_failures(results), "");
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream f(fmt::format("{}/said_{}", dir, r));
+      said[r].assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    }
+    return said;
+  };
+  for (const auto& msg : refused([] { return Model(4, /*mask_persistent=*/true); })) {
+    EXPECT_NE(msg.find("the checkpoint has no buffer 'mask'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("nothing was changed"), std::string::npos) << msg;
+  }
+  for (const auto& msg : refused([] {
+         Model m(4);
+         m->ema.set_data(at::zeros({2, 4}));
+         return m;
+       })) {
+    EXPECT_NE(msg.find("buffer 'ema' is [8] in the checkpoint and [2,4] in the model"), std::string::npos) << msg;
+  }
   fs::remove_all(dir);
 }
 
